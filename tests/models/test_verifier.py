@@ -1,0 +1,80 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models.errors import DraftsmithError
+from models.verifier import fingerprint, load_verifier
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def tiny_folder(tmp_path):
+    model = tiny_llama(dtype=torch.float32)
+    model.save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def _cfg(path, **kw):
+    return OmegaConf.create({"name": "tiny", "source": "hf", "path": str(path), "dtype": "float32",
+                             "attn_implementation": "sdpa", "chat_template": None, "cache_dir": None, **kw})
+
+
+def test_load_local_folder_hidden_states_and_lm_head(tiny_folder):
+    v = load_verifier(_cfg(tiny_folder))
+    ids = torch.tensor([[5, 6, 7]])
+    hidden = v.hidden_states(ids)
+    assert hidden.shape == (1, 3, 32)
+    torch.testing.assert_close(v.lm_head(hidden), v.model(input_ids=ids).logits)
+    assert not any(p.requires_grad for p in v.model.parameters())
+
+
+def test_fingerprint_ignores_dtype_but_sees_weights(tiny_folder):
+    fp32 = load_verifier(_cfg(tiny_folder)).fingerprint
+    bf16 = load_verifier(_cfg(tiny_folder, dtype="bfloat16")).fingerprint
+    assert fp32 == bf16
+    model = tiny_llama(dtype=torch.float32)
+    before = fingerprint(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # a "fine-tune"
+    assert fingerprint(model) != before
+
+
+def test_bad_dtype_and_template_keys(tiny_folder):
+    with pytest.raises(DraftsmithError, match="model.dtype='fp8'.*valid: bfloat16"):
+        load_verifier(_cfg(tiny_folder, dtype="fp8"))
+    with pytest.raises(DraftsmithError, match="model.chat_template='nope'"):
+        load_verifier(_cfg(tiny_folder, chat_template="nope"))
+
+
+def test_named_chat_template(tiny_folder):
+    v = load_verifier(_cfg(tiny_folder, chat_template="vicuna"))
+    text = v.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert text.endswith("USER: hi ASSISTANT:")
+
+
+def test_missing_hub_model_fails_fast_with_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = OmegaConf.load(ROOT / "conf/model/llama2-7b.yaml")
+    with pytest.raises(DraftsmithError, match="not available.*model.path="):
+        load_verifier(cfg)
+
+
+def test_entry_script_big_preset_fails_in_seconds(tmp_path):
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "train/medusa.py", "model=llama2-7b", "data=tiny",
+                           f"output_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("draftsmith: error")]
+    assert len(lines) == 1 and "model.path=" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert time.time() - t0 < 60

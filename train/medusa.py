@@ -1,0 +1,220 @@
+"""Train Medusa-1 heads on a frozen verifier.
+
+    python train/medusa.py                                   # offline default: SmolLM2-135M
+    python train/medusa.py model=smollm2-135m method.num_heads=4 trainer.max_steps=200
+    accelerate launch train/medusa.py model=vicuna-7b-v1.3 data=sharegpt trainer=gpu
+
+Head k (0-based) reads the verifier's final hidden state at t and predicts token t+k+2.
+Loss = sum_k decay^k * CE_k over assistant tokens. Per-head top-1/top-5 accuracy and the
+simulated acceptance length are measured on the held-out split at every eval.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from models.checkpoint import save_drafter
+from models.errors import exit_on_user_error
+from models.medusa import MedusaConfig, MedusaHeads
+from models.verifier import load_verifier
+from train.core.accel import make_accelerator, make_optimizer, make_scheduler
+from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
+from train.core.data import load_conversations, make_dataloader, split_heldout, tokenize_conversations
+from train.core.logging import init_trackers, trackers
+
+
+def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions t whose token t+k+2 is a supervised (assistant) token, and those tokens.
+
+    labels (B, T) with -100 on unsupervised tokens -> mask (B, T) bool, targets (N,)."""
+    shift = k + 2
+    target = torch.full_like(labels, -100)
+    target[:, :-shift] = labels[:, shift:]  # target[b, t] = labels[b, t + k + 2]
+    mask = target != -100
+    return mask, target[mask]
+
+
+def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float):
+    """hidden (B, T, H) from the frozen verifier -> (loss, per-head stats).
+
+    Logits are computed only at supervised positions: the V x H projection is the dominant
+    cost here, and prompt/padding positions carry no loss."""
+    heads_ = getattr(heads, "module", heads)  # unwrap DDP for the per-head calls
+    loss = hidden.new_zeros(())
+    stats = {}
+    for k in range(heads_.config.num_heads):
+        mask, target = head_targets(labels, k)  # (B, T), (N,)
+        if target.numel() == 0:
+            continue
+        feats = heads_.head_features(hidden[mask], k)  # (N, H)
+        logits = heads_.project(feats, k, lm_head).float()  # (N, V)
+        ce = F.cross_entropy(logits, target)
+        loss = loss + (decay ** k) * ce
+        with torch.no_grad():
+            top5 = logits.topk(5, dim=-1).indices  # (N, 5)
+            stats[f"head{k}/loss"] = ce.item()
+            stats[f"head{k}/top1_hits"] = (top5[:, 0] == target).sum().item()
+            stats[f"head{k}/top5_hits"] = (top5 == target[:, None]).any(-1).sum().item()
+            stats[f"head{k}/count"] = target.numel()
+    return loss, stats
+
+
+def simulated_tau(top1: list[float]) -> float:
+    """Expected tokens per verifier pass for greedy chain verification with these heads:
+    1 (the verifier's own token) + sum_k prod_{j<=k} acc_j (SpecForge / ModelOpt style)."""
+    tau, run = 1.0, 1.0
+    for acc in top1:
+        run *= acc
+        tau += run
+    return tau
+
+
+@torch.no_grad()
+def evaluate(verifier, heads, loader, accelerator, decay: float) -> dict:
+    heads.eval()
+    totals: dict[str, float] = {}
+    loss_sum, batches = 0.0, 0
+    for batch in loader:
+        hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        with accelerator.autocast():
+            loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, decay)
+        loss_sum, batches = loss_sum + loss.item(), batches + 1
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    heads.train()
+    totals = {k: accelerator.reduce(torch.tensor(v, device=accelerator.device), "sum").item()
+              for k, v in sorted(totals.items())}
+    num_heads = getattr(heads, "module", heads).config.num_heads
+    metrics = {"eval/loss": loss_sum / max(batches, 1)}
+    top1 = []
+    for k in range(num_heads):
+        count = max(totals.get(f"head{k}/count", 0.0), 1.0)
+        top1.append(totals.get(f"head{k}/top1_hits", 0.0) / count)
+        metrics[f"eval/head{k}_top1"] = top1[-1]
+        metrics[f"eval/head{k}_top5"] = totals.get(f"head{k}/top5_hits", 0.0) / count
+    metrics["eval/simulated_tau"] = simulated_tau(top1)
+    return metrics
+
+
+def run(cfg: DictConfig) -> dict:
+    tcfg, mcfg = cfg.trainer, cfg.method
+    accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
+    verifier = load_verifier(cfg.model, device=accelerator.device)
+    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
+    tokenizer = verifier.tokenizer
+
+    # Data: chat conversations -> assistant-only labels; a held-out split never trained on.
+    train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
+    train_ds = tokenize_conversations(train_conv, tokenizer, cfg.data.max_length)
+    eval_ds = tokenize_conversations(eval_conv, tokenizer, cfg.data.max_length)
+    pad_id = tokenizer.pad_token_id
+    eval_loader = accelerator.prepare(make_dataloader(eval_ds, tcfg.eval_batch_size, pad_id, shuffle=False, seed=0))
+
+    config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
+                          num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head)
+    heads = MedusaHeads(config, verifier.lm_head).to(accelerator.device)
+    optimizer = make_optimizer([{"params": list(heads.parameters())}], tcfg)
+    scheduler = make_scheduler(optimizer, tcfg)
+    heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    init_trackers(accelerator, cfg.logger, f"medusa-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True))
+
+    step = 0
+    ckpt = latest_checkpoint(cfg.output_dir) if tcfg.resume else None
+    if ckpt is not None:
+        step = load_training_state(accelerator, ckpt)["step"]
+        accelerator.print(f"resuming from {ckpt} at step {step}")
+
+    def epoch_loader(epoch: int):
+        loader = make_dataloader(train_ds, tcfg.batch_size, pad_id, shuffle=True, seed=cfg.seed + epoch)
+        return accelerator.prepare(loader)
+
+    batches_per_epoch = len(epoch_loader(0))
+    micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
+    epoch, offset = divmod(micro, batches_per_epoch)
+    loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)
+    batches = iter(loader)
+
+    accelerator.print(f"medusa: {config.num_heads} heads ({sum(p.numel() for p in heads.parameters()):,} "
+                      f"trainable params), {len(train_ds)} train / {len(eval_ds)} held-out conversations, "
+                      f"{batches_per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}]")
+    metrics: dict = {}
+    best = {"eval/simulated_tau": -math.inf}
+    tokens, t0 = 0, time.time()
+    bar = tqdm(total=tcfg.max_steps, initial=step, desc="medusa", disable=not accelerator.is_main_process)
+    heads.train()
+    while step < tcfg.max_steps:
+        for _ in range(tcfg.grad_accum):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                epoch += 1
+                batches = iter(epoch_loader(epoch))
+                batch = next(batches)
+            with accelerator.accumulate(heads):
+                # The loss step: frozen verifier features, then the heads' weighted CE.
+                with torch.no_grad():
+                    hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+                with accelerator.autocast():
+                    loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, mcfg.decay)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tcfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(heads.parameters(), tcfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum())
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
+            log = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
+                   "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)}
+            log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
+            accelerator.log(log, step=step)
+        if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
+            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay)
+            accelerator.log(metrics, step=step)
+            accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
+            if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
+                best = {**metrics, "step": step}
+                save_heads(cfg, accelerator, heads, config, verifier, best, "best")
+        if step % tcfg.save_every == 0 or step == tcfg.max_steps:
+            save_training_state(accelerator, cfg.output_dir, step, {"epoch": epoch}, tcfg.keep_last)
+    bar.close()
+
+    final = save_heads(cfg, accelerator, heads, config, verifier, {**metrics, "step": step}, "final")
+    elapsed = time.time() - t0
+    summary = {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
+               "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
+    accelerator.end_training()
+    top1 = " ".join(f"h{k}={metrics.get(f'eval/head{k}_top1', float('nan')):.3f}" for k in range(config.num_heads))
+    accelerator.print(f"medusa done: {step} steps in {elapsed:.0f}s, held-out top-1 {top1}, "
+                      f"simulated tau {metrics.get('eval/simulated_tau', float('nan')):.2f}, drafter -> {final}")
+    return summary
+
+
+def save_heads(cfg, accelerator, heads, config, verifier, metrics: dict, name: str):
+    out = f"{cfg.output_dir}/{name}"
+    if accelerator.is_main_process:
+        save_drafter(out, "medusa", accelerator.unwrap_model(heads), config,
+                     verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
+                     meta={"method": cfg.method.name, "metrics": metrics},
+                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+    accelerator.wait_for_everyone()
+    return out
+
+
+@hydra.main(config_path="../conf", config_name="medusa", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    main()
