@@ -5,7 +5,7 @@ import contextlib
 import sys
 
 
-class DraftsmithError(Exception):
+class DraftsmithError(ValueError):
     """Bad input (config, data, checkpoint, request). The message is the whole story."""
 
 

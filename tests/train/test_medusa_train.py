@@ -1,0 +1,58 @@
+import csv
+
+import pytest
+import torch
+
+from models.checkpoint import load_drafter
+from models.errors import DraftsmithError
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from train.medusa import run
+
+
+def _cfg(tiny_model_dir, out, *extra):
+    return compose_config("medusa", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "trainer=debug", "trainer.batch_size=16", "logger=csv", f"output_dir={out}",
+        "method.num_heads=2", *extra])
+
+
+def _train_losses(out):
+    with open(out / "metrics.csv") as f:
+        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "train/loss"]
+
+
+def test_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = run(_cfg(tiny_model_dir, out))
+    assert summary["steps"] == 3
+    losses = _train_losses(out)
+    assert len(losses) == 3 and losses[-1] < losses[0], losses  # the whole train split is one batch
+    for k in range(2):
+        assert 0.0 <= summary[f"eval/head{k}_top1"] <= summary[f"eval/head{k}_top5"] <= 1.0
+    kind, heads, config, meta = load_drafter(summary["drafter_dir"])
+    assert kind == "medusa" and config.num_heads == 2 and meta["metrics"]["step"] == 3
+    assert (out / "final" / "config.yaml").is_file() and (out / "best" / "meta.json").is_file()
+    # the heads trained: the ResBlocks moved away from their zero init
+    assert any(b[0].linear.weight.abs().sum() > 0 for b in heads.blocks)
+    assert (out / "checkpoints" / "step-00000003" / "trainer_state.json").is_file()
+
+
+def test_resume_continues_and_other_config_is_refused(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    run(_cfg(tiny_model_dir, out))
+    summary = run(_cfg(tiny_model_dir, out, "trainer.max_steps=5"))  # resumes at step 3
+    assert summary["steps"] == 5
+    assert len(_train_losses(out)) == 5  # steps 1-3 from the first run, 4-5 from the resumed one
+    with pytest.raises(DraftsmithError, match="another config"):
+        run(_cfg(tiny_model_dir, out, "method.decay=0.5"))
+
+
+def test_shared_lm_head_mode_trains(tiny_model_dir, tmp_path):
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", "method.lm_head=shared"))
+    _, heads, config, _ = load_drafter(summary["drafter_dir"])
+    assert config.lm_head == "shared" and not hasattr(heads, "lm_heads")
+
+
+def test_bad_method_value_is_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="method.lm_head='tied'.*valid: own, shared"):
+        run(_cfg(tiny_model_dir, tmp_path / "run", "method.lm_head=tied"))
