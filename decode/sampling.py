@@ -1,0 +1,275 @@
+"""Acceptance rules: walk a verified token tree, return the accepted path and the next token.
+
+Conventions shared by every rule (see decode/tree.py): node 0 is the root (the last emitted
+token, not yet in the KV cache), ``parents`` is in topological order, siblings are ordered by
+index, ``tokens[i]`` is node i's token (``tokens[0]``, the root's, is never judged), and row i
+of the target logits/probs is the verifier's next-token distribution after the path root..i.
+Every rule returns ``(path, next_token)``: ``path`` the accepted node indices starting at 0,
+``next_token`` the token emitted after the last accepted node (correction or bonus token). The
+emitted tokens of the step are ``tokens[path[1:]] + [next_token]``; next_token is the next root.
+
+greedy and rejection are lossless (greedy: identical to the verifier's argmax decoding;
+rejection: the emitted tokens have exactly the verifier's sampling law). typical is LOSSY.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from decode.tree import ancestor_mask, path_to
+
+
+def logits_to_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """(..., V) logits -> (..., V) processed sampling probabilities, in the logits' dtype.
+
+    Rule, in HF ``generate``'s order: divide by ``temperature`` (> 0; greedy decoding is
+    ``greedy_walk``, not temperature 0); if ``0 < top_k < V`` keep the tokens whose logit is
+    >= the k-th largest (ties at the k-th value are all kept); softmax; if ``top_p < 1`` keep
+    the smallest set of most likely tokens whose mass is >= top_p, i.e. a token is kept iff
+    the mass of the tokens sorted before it is < top_p (so the top token is always kept);
+    renormalise. The engine applies this same transform to the target p and the draft q.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (use the greedy rule for 0), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    scores = logits / temperature  # (..., V)
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (..., V)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (..., V)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (..., V)
+        keep_sorted = mass_before < top_p
+        keep_sorted[..., 0] = True  # the most likely token always survives
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # (..., V)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _best_accepted_node(
+    anc: torch.Tensor, ok: torch.Tensor, score: torch.Tensor | None = None
+) -> int:
+    """Deepest node whose whole root path passed ``ok``; ties -> larger score -> lower index.
+
+    ``anc`` (n, n) is the tree's ancestor mask, ``ok`` (n,) bool whether each node's token
+    passed its parent's test (ok[0] is ignored: the root is always accepted), ``score`` (n,)
+    optionally breaks depth ties.
+    """
+    ok = ok.clone()
+    ok[0] = True
+    accepted = ~(anc & ~ok[None, :]).any(dim=-1)  # (n,) every node on the root path passed
+    depth = anc.sum(dim=-1) - 1  # (n,)
+    best_depth = depth.masked_fill(~accepted, -1).max()
+    candidates = accepted & (depth == best_depth)  # (n,)
+    if score is not None:
+        s = score.masked_fill(~candidates, float("-inf"))
+        candidates = candidates & (s == s.max())
+    return int(candidates.nonzero()[0])  # lowest index among the remaining ties
+
+
+def greedy_walk(
+    tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[list[int], int]:
+    """Lossless greedy rule: longest root path whose tokens are the verifier's argmax.
+
+    Node i (i >= 1) passes iff ``tokens[i] == argmax(target_logits[parents[i]])``; the
+    accepted path is the deepest node whose every node passed (the root always does), and
+    ``next_token = argmax(target_logits[last])``. Argmax ties are broken by torch.argmax's
+    first-index rule (the same as HF greedy ``generate``). Two siblings can only both pass if
+    they carry the same token; then the deeper accepted subtree wins and, at equal depth, the
+    lower node index (the emitted tokens are the same either way).
+
+    tokens (n,) long, parents (n,) long, target_logits (n, V).
+    """
+    parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+    argmax = target_logits.argmax(dim=-1)  # (n,)
+    ok = torch.ones_like(tokens, dtype=torch.bool)  # (n,)
+    ok[1:] = tokens[1:] == argmax[parents[1:]]
+    last = _best_accepted_node(ancestor_mask(parents).to(ok.device), ok)
+    return path_to(parents, last), int(argmax[last])
+
+
+def typical_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> tuple[list[int], int]:
+    """LOSSY: Medusa's typical acceptance (``evaluate_posterior``, typical, fast=True).
+
+    With p = softmax(target_logits[parent] / temperature) and
+    H(p) = -sum p log(p + 1e-5) (Medusa's entropy, epsilon included), node i passes iff
+    ``p(tokens[i]) > min(posterior_threshold, posterior_alpha * exp(-H(p)))``. The accepted
+    path is the deepest node whose whole root path passed; among equally deep ones Medusa
+    keeps the highest likelihood sum(log p(token)) along the path (then the lowest index).
+    ``next_token = argmax(target_logits[last])``, as Medusa's ``generate_candidates`` does in
+    its default fast mode. The emitted text does NOT follow the verifier's law: every report
+    that uses this rule must say so.
+
+    tokens (n,) long, parents (n,) long, target_logits (n, V).
+    """
+    if not temperature > 0:
+        raise ValueError(f"typical acceptance needs temperature > 0, got {temperature}")
+    parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+    probs = torch.softmax(target_logits / temperature, dim=-1)  # (n, V)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # (n,)
+    threshold = torch.minimum(
+        torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy)
+    )  # (n,)
+    token_prob = torch.ones_like(entropy)  # (n,) p(token | parent), 1 for the root
+    token_prob[1:] = probs[parents[1:], tokens[1:]]
+    ok = torch.ones_like(tokens, dtype=torch.bool)  # (n,)
+    ok[1:] = token_prob[1:] > threshold[parents[1:]]
+    anc = ancestor_mask(parents).to(probs.device)  # (n, n)
+    log_likelihood = torch.where(anc, torch.log(token_prob)[None, :], 0.0).sum(dim=-1)  # (n,)
+    last = _best_accepted_node(anc, ok, score=log_likelihood)
+    return path_to(parents, last), int(target_logits[last].argmax())
+
+
+def _accept_prob(p_x: float, q_x: float) -> float:
+    """Speculative sampling's acceptance probability of a drafted token: min(1, p(x) / q(x))."""
+    return min(1.0, p_x / q_x)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Target law after rejecting a draft from q: norm(max(p - q, 0)), (V,) -> (V,).
+
+    It has no mass only when p <= q everywhere, i.e. p == q, where rejection has probability
+    zero and happens only through rounding; then p is kept (any choice costs ~1e-16 in law).
+    """
+    r = (p - q).clamp_(min=0.0)  # (V,)
+    total = float(r.sum())
+    return r.div_(total) if total > 0 else p
+
+
+def _without(q: torch.Tensor, x: int) -> torch.Tensor | None:
+    """Law of the next sibling drawn without replacement: q with x zeroed, renormalised.
+
+    None when nothing is left.
+    """
+    q = q.clone()  # (V,)
+    q[x] = 0.0
+    mass = float(q.sum())
+    return q.div_(mass) if mass > 0 else None
+
+
+def _sample(p: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw of one token from p (V,), given a uniform u in [0, 1).
+
+    A zero-probability token is never drawn: it adds nothing to the cumulative sum, and the
+    first index whose cumulative mass exceeds u * total is taken.
+    """
+    cdf = torch.cumsum(p, dim=0)  # (V,)
+    token = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
+    if token >= p.numel():  # u * total rounded up to the total: take the last likely token
+        token = int(p.nonzero()[-1])
+    return token
+
+
+def rejection_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampled: torch.Tensor | None,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Lossless recursive rejection sampling over a tree (SpecInfer / EAGLE multi-draft).
+
+    ``target_probs[u]`` (n, V) is the processed verifier law after root..u. The children of u
+    were drafted either by SAMPLING (``sampled[u]``) one after another without replacement
+    from ``draft_probs[u]`` (n, V), in index order, or DETERMINISTICALLY (e.g. Medusa top-k),
+    which is the case q = delta(x) for each child x. ``sampled=None`` means every node is
+    sampled when ``draft_probs`` is given; ``draft_probs=None`` means all deterministic. A chain
+    drafted by a draft model is one sampled child per node (Leviathan et al.).
+
+    At node u, with residual p = target_probs[u] and q = draft_probs[u], try each child c with
+    token x in index order:
+      accept with probability min(1, p(x) / q(x)), q = delta(x) for a deterministic child (so
+      the probability is p(x)); on accept move to c and restart there with p = target_probs[c];
+      on reject p <- norm(max(p - q, 0)) (for delta(x): p with x zeroed, renormalised) and, if
+      sampled, q <- q with x zeroed, renormalised; if q has no mass left, stop trying children.
+    When no child is accepted (or u is a leaf) next_token ~ the current residual p.
+
+    Each step preserves the law: given x ~ q, accepting with min(1, p/q) and otherwise drawing
+    from norm((p - q)+) yields exactly p, and the later children (whatever q they come from)
+    are only ever used to draw from that residual. Every random number comes from
+    ``generator`` (any device): n uniforms drawn up front, one per child (each child is tried
+    at most once) and one (the root's slot) for next_token, drawn from p by inverse CDF.
+
+    Returns (path, next_token); path starts at 0. Raises ValueError if a sampled child's token
+    has draft probability 0 (it cannot have come from that q).
+    """
+    parents_list = torch.as_tensor(parents, dtype=torch.long).tolist()
+    n = len(parents_list)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for c, u in enumerate(parents_list[1:], start=1):
+        children[u].append(c)
+    tok = torch.as_tensor(tokens).tolist()
+    if draft_probs is None:
+        is_sampled = [False] * n
+    elif sampled is None:
+        is_sampled = [True] * n
+    else:
+        is_sampled = torch.as_tensor(sampled, dtype=torch.bool).tolist()
+    # uniform[c] decides child c (each child is tried at most once), uniform[0] the next token
+    uniform = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
+    uniform = uniform.tolist()
+
+    path = [0]
+    u = 0
+    while True:
+        p = target_probs[u]  # (V,) residual; rebound, never modified in place
+        q = draft_probs[u] if is_sampled[u] else None  # (V,) law of the untried children
+        moved = False
+        for c in children[u]:
+            x = tok[c]
+            q_x = 1.0 if q is None else float(q[x])  # a deterministic child has q = delta(x)
+            if not q_x > 0:
+                raise ValueError(
+                    f"node {c} (token {x}) has draft probability 0 under draft_probs[{u}]: "
+                    "it cannot have been sampled from it"
+                )
+            if uniform[c] < _accept_prob(float(p[x]), q_x):
+                path.append(c)
+                u = c
+                moved = True
+                break
+            if q is None:
+                delta = torch.zeros_like(p)  # (V,)
+                delta[x] = 1.0
+                p = _residual(p, delta)
+            else:
+                p = _residual(p, q)
+                q = _without(q, x)
+                if q is None:
+                    break  # the draft law is exhausted: no further child can come from it
+        if not moved:
+            return path, _sample(p, uniform[0])
+
+
+ACCEPTANCE_RULES: dict[str, Callable[..., tuple[list[int], int]]] = {
+    "greedy": greedy_walk,
+    "rejection": rejection_walk,
+    "typical": typical_walk,
+}
+LOSSY_RULES = {"typical"}
+
+
+def get_rule(name: str) -> Callable[..., tuple[list[int], int]]:
+    """The acceptance rule registered under ``name``; ValueError listing valid names otherwise."""
+    try:
+        return ACCEPTANCE_RULES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown acceptance rule {name!r}; valid: {', '.join(sorted(ACCEPTANCE_RULES))}"
+        ) from None
