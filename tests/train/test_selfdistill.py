@@ -1,0 +1,135 @@
+"""scripts/generate_selfdistill.py on a tiny saved verifier: generation, resume, loading."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.tiny import tiny_llama, tiny_tokenizer
+from train.core.data import DataError, check_data_verifier, load_conversations, tokenize_conversations
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = str(ROOT / "conf")
+SCRIPT = ROOT / "scripts" / "generate_selfdistill.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("generate_selfdistill", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = load_script()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-verifier")
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_cfg(model_dir, output_dir, *overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("selfdistill", overrides=[
+            f"model.path={model_dir}", "model.name=tiny", "model.source=hf", "model.dtype=float64",
+            "data@data.prompts=tiny", "num_prompts=7", "max_new_tokens=8", "batch_size=3",
+            f"output_dir={output_dir}", *overrides])
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
+
+
+def test_default_config_composes():
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("selfdistill")
+    assert cfg.model.name == "smollm2-135m" and cfg.data.name == "selfdistill"
+    assert cfg.data.prompts.source == "chitchat" and cfg.num_prompts == cfg.data.prompts.num_prompts
+    assert cfg.output_dir == cfg.data.path
+    assert cfg.data.path.endswith("data/selfdistill-smollm2-135m") and not os.path.isabs(cfg.data.path)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size) == (128, 0.0, 8)
+    assert (ROOT / "conf" / "selfdistill.yaml").read_text().startswith("# python scripts/generate_selfdistill.py")
+
+
+def test_generate_resume_and_load(model_dir, tmp_path):
+    full_dir = tmp_path / "full"
+    result = gen.run(make_cfg(model_dir, full_dir))
+    assert (result["records"], result["generated"], result["resumed"]) == (7, 7, 0)
+    full = read_records(full_dir)
+    assert sorted(r["id"] for r in full) == sorted(f"tiny-{i}" for i in range(7))
+    for record in full:
+        assert record["messages"][-1]["role"] == "assistant" and record["messages"][-2]["role"] == "user"
+        assert record["finish"] in ("stop", "length")
+    manifest = json.loads((full_dir / "manifest.json").read_text())
+    assert manifest["verifier"] == {"name": "tiny", "fingerprint": result["fingerprint"]}
+    assert manifest["complete"] and manifest["counts"]["records"] == 7
+    assert manifest["settings"]["max_new_tokens"] == 8 and manifest["settings"]["temperature"] == 0.0
+
+    # the output is training data
+    convs = load_conversations({"source": "local", "path": str(full_dir), "name": "selfdistill"})
+    assert len(convs) == 7 and convs[0]["messages"] == full[0]["messages"]
+    assert check_data_verifier({"source": "local", "path": str(full_dir)}, result["fingerprint"]) is None
+    with pytest.warns(UserWarning):
+        check_data_verifier({"source": "local", "path": str(full_dir)}, "0" * 16)
+
+    # a killed run: two finished records and a torn third line
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    lines = (full_dir / "records.jsonl").read_text().splitlines(keepends=True)
+    (resumed_dir / "records.jsonl").write_text(lines[0] + lines[1] + lines[2][:25])
+    result = gen.run(make_cfg(model_dir, resumed_dir))
+    assert (result["records"], result["generated"], result["resumed"]) == (7, 5, 2)
+    resumed = read_records(resumed_dir)
+    assert len(resumed) == len({r["id"] for r in resumed}) == 7
+    assert resumed[:2] == [json.loads(lines[0]), json.loads(lines[1])]
+    # greedy answers do not depend on the batch a prompt landed in (left padding is masked)
+    by_id = {r["id"]: r for r in full}
+    assert all(r == by_id[r["id"]] for r in resumed)
+
+    # a complete run resumes to a no-op; more prompts extend it
+    assert gen.run(make_cfg(model_dir, resumed_dir))["generated"] == 0
+    assert gen.run(make_cfg(model_dir, resumed_dir, "num_prompts=9"))["generated"] == 2
+    assert len(read_records(resumed_dir)) == 9
+
+    # other generation settings must not be mixed into the same folder
+    with pytest.raises(DataError, match=r"max_new_tokens: 8 -> 4"):
+        gen.run(make_cfg(model_dir, resumed_dir, "max_new_tokens=4"))
+
+
+def test_sampling_runs_and_trains(model_dir, tmp_path, tokenizer):
+    result = gen.run(make_cfg(model_dir, tmp_path, "temperature=0.8", "top_p=0.9", "num_prompts=3"))
+    assert result["records"] == 3
+    convs = load_conversations({"source": "local", "path": str(tmp_path)})
+    tokenized = tokenize_conversations(convs, tokenizer, max_length=128)
+    assert len(tokenized) == 3  # every answer (even an empty one) labels at least <|im_end|>
+
+
+def test_bad_middle_line_is_an_error(model_dir, tmp_path):
+    (tmp_path / "records.jsonl").write_text('{"id": "tiny-0"}\n{torn\n{"id": "tiny-1"}\n')
+    with pytest.raises(DataError, match=r"line 2 of .*records.jsonl is not a record"):
+        gen.read_done_ids(tmp_path / "records.jsonl")
+    (tmp_path / "records.jsonl").write_text('{"id": "tiny-0"}\n{"id": "tiny-1"')
+    assert gen.read_done_ids(tmp_path / "records.jsonl") == {"tiny-0"}
+    assert (tmp_path / "records.jsonl").read_text() == '{"id": "tiny-0"}\n'
+
+
+@pytest.mark.slow
+def test_cli_entry_point(model_dir, tmp_path):
+    out = tmp_path / "cli"
+    cmd = [sys.executable, str(SCRIPT), f"model.path={model_dir}", "model.name=tiny", "model.source=hf",
+           "data@data.prompts=tiny", "num_prompts=2", "max_new_tokens=4", f"output_dir={out}",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "selfdistill: 2 records" in done.stdout
+    assert len(read_records(out)) == 2
