@@ -1,0 +1,210 @@
+"""Proposers: turn the verifier's state at the last accepted node into a token tree to verify.
+
+The engine (decode/engine.py) drives every proposer through the same four calls:
+
+    proposer.prefill(prompt_ids, hidden, sampling)    # once, after the verifier's prefill
+    tree = proposer.propose(root, hidden_last, ids)   # each step, before the verifier forward
+    ...one verifier forward over tree.tokens, acceptance rule -> path, next_token...
+    proposer.accept(tree, path, next_token, hidden)   # each step, after acceptance
+
+- ``root`` is the last emitted token (node 0 of the tree; not yet in the verifier's KV cache).
+- ``hidden_last`` (H,) is the verifier's final normed hidden state at the position BEFORE the
+  root, i.e. the hidden state whose lm_head logits produced the root (Medusa head k on it
+  predicts the token k + 1 places after the root).
+- ``ids`` is every token so far (prompt + emitted, root included) as a Python list, for
+  n-gram / prompt-lookup / lookahead proposers.
+- ``hidden`` in ``accept`` (n, H) is the verifier's hidden state of every tree node from the
+  same forward; ``hidden[path]`` are the accepted ones (EAGLE feeds them to its own KV cache).
+- ``sampling`` (SamplingParams) tells a proposer that SAMPLES drafts how the engine processes
+  the target law; it must draw from, and report in ``DraftTree.draft_probs``, the same
+  transform of its own logits (decode.sampling.logits_to_probs), or the rejection rule is
+  exact but accepts less.
+
+Adding a proposer: subclass ``Proposer``, implement ``propose`` (and ``prefill``/``accept`` if it
+keeps state: a draft model's or EAGLE's own KV cache is rolled back to the accepted path in
+``accept``), register it in ``PROPOSERS``. Dynamic trees (EAGLE-2) return a DraftTree with
+``buffers=None``; the engine then builds the mask from ``parents``.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from decode.tree import TreeBuffers, verify_inputs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine turns verifier logits into the target law (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class DraftTree:
+    """One step's token tree. Node 0 is the root (last emitted token), topological order.
+
+    tokens (n,) long; parents (n,) long with parents[0] = -1.
+    draft_probs (n, V) or None: row u is the law the children of u were drawn from, one
+      after another without replacement, when sampled[u]; None = every child deterministic.
+    sampled (n,) bool or None: whether node u's children were sampled (see draft_probs).
+    buffers: precomputed TreeBuffers of a static tree (None = build the mask from parents).
+    is_chain: a chain needs no tree mask (the model's causal mask is the same), so it runs with
+      any attention implementation.
+    """
+
+    tokens: torch.Tensor  # (n,) long
+    parents: torch.Tensor  # (n,) long
+    draft_probs: torch.Tensor | None = None  # (n, V)
+    sampled: torch.Tensor | None = None  # (n,) bool
+    buffers: TreeBuffers | None = None
+    is_chain: bool | None = None  # parents == [-1, 0, 1, ...]; None = work it out here
+
+    def __post_init__(self):
+        if self.is_chain is None:
+            self.is_chain = _is_chain(self.parents.tolist())
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    def verify_inputs(self, cache_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention_mask (1, 1, n, cache_len + n), position_ids (1, n)) for the verifier."""
+        if self.buffers is not None:
+            mask, position_ids, _ = self.buffers.verify_inputs(cache_len, dtype)
+        else:
+            mask, position_ids, _ = verify_inputs(self.parents, cache_len, dtype, self.tokens.device)
+        return mask, position_ids
+
+
+def _is_chain(parents: Sequence[int]) -> bool:
+    return list(parents) == [-1] + list(range(len(parents) - 1))
+
+
+class Proposer:
+    """Base class: the hooks a proposer may implement (see the module docstring)."""
+
+    name: str = "base"
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest drafted node this proposer can produce (0 = vanilla decoding)."""
+        return 0
+
+    def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
+        """Once per generate call: prompt_ids (T,) and the verifier's hidden states (T, H)."""
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        """The tree to verify this step; hidden (H,) is the verifier's state before the root."""
+        raise NotImplementedError
+
+    def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor) -> None:
+        """After acceptance: path (node indices from 0), hidden (n, H) of every tree node."""
+
+
+class VanillaProposer(Proposer):
+    """No drafting: the tree is just the root, so each step is one plain decoding step."""
+
+    name = "vanilla"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.parents = torch.tensor([-1], dtype=torch.long, device=device)  # (1,)
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        tokens = torch.tensor([root], dtype=torch.long, device=self.parents.device)  # (1,)
+        return DraftTree(tokens=tokens, parents=self.parents, is_chain=True)
+
+
+class MedusaProposer(Proposer):
+    """Medusa heads over a static tree in Medusa's path format (``medusa_choices``).
+
+    A path (i0, i1, ..., id-1) is the node at depth d whose token is the i_{d-1}-th top
+    candidate of head d-1, under the node (i0, ..., i_{d-2}). All heads read the same hidden
+    state (the verifier's state before the root), so the node tokens are the per-head top-k
+    lists gathered at the tree's (depth, choice) pairs; siblings get distinct tokens. The
+    children are deterministic functions of the verifier state (q = delta), which recursive
+    rejection sampling handles exactly at any temperature (``sampled=None``).
+    """
+
+    name = "medusa"
+
+    def __init__(
+        self,
+        heads: nn.Module,
+        paths: Sequence[Sequence[int]],
+        lm_head: nn.Module | None = None,
+        device: torch.device | str | None = None,
+    ):
+        num_heads = heads.config.num_heads
+        buffers = TreeBuffers.from_paths(paths)
+        depth = int(buffers.depths.max())
+        if depth > num_heads:
+            raise ValueError(f"the tree is {depth} deep but the Medusa checkpoint has only {num_heads} heads")
+        if getattr(heads.config, "lm_head", "own") == "shared" and lm_head is None:
+            raise ValueError("these Medusa heads share the verifier's lm_head: pass lm_head=verifier.lm_head")
+        param = next(heads.parameters())
+        device = param.device if device is None else device
+        self.dtype = param.dtype
+        self.heads = heads
+        self.lm_head = lm_head
+        self.buffers = buffers.to(device)
+        self.depth = depth
+        self.topk = int(buffers.choices.max()) + 1 if buffers.size > 1 else 1
+        if self.topk > heads.config.vocab_size:
+            raise ValueError(
+                f"the tree asks for top-{self.topk} candidates of a {heads.config.vocab_size}-token vocabulary"
+            )
+        # Per drafted node: which head's top-k list (depth - 1) and which rank (choice) it takes.
+        self.head_index = self.buffers.depths[1:] - 1  # (n-1,)
+        self.rank_index = self.buffers.choices[1:]  # (n-1,)
+        self.is_chain = _is_chain(buffers.parents.tolist())
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> (D, ..., V) logits of the first D = tree-depth heads only."""
+        return torch.stack([
+            self.heads.project(self.heads.head_features(hidden, k), k, self.lm_head) for k in range(self.depth)
+        ])
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        device = self.buffers.parents.device
+        root_t = torch.tensor([root], dtype=torch.long, device=device)  # (1,)
+        if self.depth == 0:
+            tokens = root_t
+        else:
+            logits = self.head_logits(hidden.to(self.dtype))  # (D, V)
+            candidates = torch.topk(logits, self.topk, dim=-1).indices  # (D, topk)
+            drafted = candidates[self.head_index, self.rank_index]  # (n-1,)
+            tokens = torch.cat([root_t, drafted])  # (n,)
+        return DraftTree(tokens=tokens, parents=self.buffers.parents, buffers=self.buffers, is_chain=self.is_chain)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {
+    "vanilla": VanillaProposer,
+    "medusa": MedusaProposer,
+}
+
+
+def make_proposer(name: str, **kwargs) -> Proposer:
+    """Build the proposer registered under ``name`` with its constructor's keyword arguments.
+
+    vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None).
+    Unknown names raise ValueError listing the valid ones.
+    """
+    try:
+        cls = PROPOSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
+    return cls(**kwargs)
