@@ -25,7 +25,7 @@ from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
-from train.core.data import load_conversations, make_dataloader, split_heldout, tokenize_conversations
+from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
 from train.core.logging import init_trackers, trackers
 
 
@@ -107,6 +107,7 @@ def run(cfg: DictConfig) -> dict:
     accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
     verifier = load_verifier(cfg.model, device=accelerator.device)
     claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
+    check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
     tokenizer = verifier.tokenizer
 
     # Data: chat conversations -> assistant-only labels; a held-out split never trained on.
@@ -134,7 +135,9 @@ def run(cfg: DictConfig) -> dict:
         loader = make_dataloader(train_ds, tcfg.batch_size, pad_id, shuffle=True, seed=cfg.seed + epoch)
         return accelerator.prepare(loader)
 
-    batches_per_epoch = len(epoch_loader(0))
+    # A prepared loader yields ceil(batches / processes) batches per process.
+    raw_batches = len(make_dataloader(train_ds, tcfg.batch_size, pad_id, shuffle=True, seed=cfg.seed))
+    batches_per_epoch = math.ceil(raw_batches / accelerator.num_processes)
     micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
     epoch, offset = divmod(micro, batches_per_epoch)
     loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)

@@ -1,6 +1,7 @@
 """Accelerator, optimizer and schedule setup shared by every trainer."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -15,6 +16,7 @@ SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant
 
 
 def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file INFO lines on every save
     mixed = choose(PRECISIONS, trainer_cfg.precision, "trainer.precision")
     acc = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=trainer_cfg.grad_accum,
                       log_with=log_with or None)

@@ -1,0 +1,258 @@
+"""Evaluate a drafter: tau, wall speedup vs plain decoding, losslessness, per category.
+
+    python decode/evaluate.py drafter=outputs/medusa-smollm2-135m/final            # MT-bench, greedy
+    python decode/evaluate.py drafter=... data=humaneval temperature=0.7 num_samples=4
+    python decode/evaluate.py method=vanilla data=chat-jsonl data.path=prompts.jsonl
+
+Every prompt runs with the chosen method AND with plain decoding through the same engine,
+interleaved (the order alternates per prompt), with the same seeds; HF `generate` (plain,
+prompt lookup, assisted when `hf.assistant` names a draft model) runs on the same prompts.
+Writes output_dir/{results.json, outputs.jsonl, results.md, acceptance_hist.png,
+accepted_per_depth.png}.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from decode.engine import generate, summarize
+from decode.proposers import make_proposer
+from models.checkpoint import load_drafter
+from models.errors import DraftsmithError, choose, exit_on_user_error
+from models.verifier import load_verifier
+from train.core.data import load_prompts
+
+
+def build_proposer(cfg, verifier):
+    """The method's proposer (None = plain decoding) and the drafter's metadata."""
+    kind = choose({"vanilla": None, "medusa": None}, cfg.method.proposer, "method.proposer")
+    if kind == "vanilla":
+        return None, {}
+    if not cfg.drafter:
+        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir>")
+    drafter_kind, heads, config, meta = load_drafter(
+        cfg.drafter, verifier_fingerprint=verifier.fingerprint, allow_mismatch=cfg.allow_fingerprint_mismatch)
+    if drafter_kind != "medusa":
+        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter_kind!r} checkpoint; method=medusa needs medusa")
+    heads = heads.to(device=verifier.model.device, dtype=verifier.model.dtype)
+    paths = [tuple(p) for p in cfg.decode.paths]
+    depth = max(len(p) for p in paths)
+    if depth > config.num_heads:
+        raise DraftsmithError(f"decode={cfg.decode.name} is {depth} deep but drafter={cfg.drafter} has "
+                              f"{config.num_heads} heads; pick a shallower decode=... tree")
+    proposer = make_proposer("medusa", heads=heads, paths=paths, lm_head=verifier.lm_head)
+    return proposer, meta
+
+
+def prompt_ids(tokenizer, messages) -> torch.Tensor:
+    """(1, T) ids exactly as fed to the verifier: the chat template with the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return torch.tensor([ids["input_ids"]], dtype=torch.long)
+
+
+def tie_gap(model, prefix: list[int], position_token_a: int, position_token_b: int) -> float:
+    """Logit gap between the two tokens two decoders disagreed on, after the common prefix."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prefix])).logits[0, -1].float()  # (V,)
+    return float((logits[position_token_a] - logits[position_token_b]).abs())
+
+
+def compare_greedy(model, ids: list[int], ours: list[int], reference: list[int], tol: float) -> dict:
+    """Identical, or where the first divergence is and whether it is a numerical tie."""
+    n = min(len(ours), len(reference))
+    first = next((i for i in range(n) if ours[i] != reference[i]), None)
+    if first is None:
+        return {"identical": len(ours) == len(reference), "diverged_at": None if len(ours) == len(reference) else n}
+    gap = tie_gap(model, ids + ours[:first], ours[first], reference[first])
+    return {"identical": False, "diverged_at": first, "logit_gap": gap, "tie": gap < tol}
+
+
+def hf_generate(model, input_ids, cfg, generator_seed: int, **extra) -> tuple[list[int], float]:
+    """HF generate with the evaluator's sampling settings (no other logits processors)."""
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=model.generation_config.pad_token_id,
+                  repetition_penalty=None, top_k=None, top_p=None, temperature=None, do_sample=False)
+    if cfg.temperature > 0:
+        kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0)
+        torch.manual_seed(generator_seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs, **extra)
+    return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - t0
+
+
+def token_latencies(output) -> list[float]:
+    """Per emitted token: its step's wall time divided by the tokens that step emitted."""
+    lat = [output.prefill_s]  # the first token comes from the prefill
+    for step in output.steps:
+        lat += [step.time_s / step.emitted] * step.emitted if step.emitted else []
+    return lat
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def method_stats(outputs, latencies, max_depth: int) -> dict:
+    stats = summarize(outputs)
+    steps = [s for o in outputs for s in o.steps]
+    stats["latency_median_ms"] = 1000 * statistics.median(latencies) if latencies else float("nan")
+    stats["latency_p99_ms"] = 1000 * percentile(latencies, 0.99)
+    stats["accept_length_hist"] = {str(k): sum(s.emitted == k for s in steps) for k in range(1, max_depth + 2)}
+    # P(accepted depth >= d) per step: how deep into the tree the verifier follows the draft.
+    stats["accepted_per_depth"] = [sum(s.accepted >= d for s in steps) / max(len(steps), 1)
+                                   for d in range(1, max_depth + 1)]
+    return stats
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    verifier = load_verifier(cfg.model)
+    model, tokenizer = verifier.model, verifier.tokenizer
+    proposer, drafter_meta = build_proposer(cfg, verifier)
+    acceptance = cfg.method.get("acceptance", "auto")
+    lossy = acceptance == "typical"
+    method = cfg.method.name + (" (LOSSY typical acceptance)" if lossy else "")
+    prompts = load_prompts(cfg.data)
+    runs = {"vanilla": None, method: proposer} if proposer is not None else {"vanilla": None}
+    max_depth = proposer.max_depth if proposer is not None else 0
+    hf_runs = {"hf_generate": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens}}
+    if cfg.hf.assistant:
+        assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
+                                                              "path": cfg.hf.assistant})).model
+        hf_runs["hf_assisted"] = {"assistant_model": assistant}
+    if not cfg.hf.enabled:
+        hf_runs = {}
+
+    outputs = {name: [] for name in runs}
+    latencies = {name: [] for name in runs}
+    hf_time = {name: [0.0, 0] for name in hf_runs}
+    identity = {name: [] for name in [*runs, *hf_runs]}
+    categories: dict[str, dict[str, list]] = {}
+    records = open(out_dir / "outputs.jsonl", "w")
+    for i, prompt in enumerate(tqdm(prompts, desc=f"evaluate {method}")):
+        ids = prompt_ids(tokenizer, prompt["messages"]).to(model.device)
+        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # interleave, alternate who goes first
+        for s in range(cfg.num_samples):
+            seed = cfg.seed * 1_000_003 + i * 1_009 + s
+            results = {}
+            for name in order:
+                gen = torch.Generator(device=model.device).manual_seed(seed)
+                out = generate(model, ids, proposer=runs[name], max_new_tokens=cfg.max_new_tokens,
+                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               acceptance=acceptance if runs[name] is not None else "auto", generator=gen)
+                results[name] = out
+                outputs[name].append(out)
+                latencies[name] += token_latencies(out)
+                categories.setdefault(prompt["category"], {}).setdefault(name, []).append(out)
+                records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
+                                          "sample": s, "seed": seed, "prompt_ids": ids[0].tolist(),
+                                          "tokens": out.tokens, "text": tokenizer.decode(out.tokens),
+                                          "tau": out.tau, "lossy": out.lossy, "stop_reason": out.stop_reason}) + "\n")
+            for name, kwargs in hf_runs.items():
+                tokens, seconds = hf_generate(model, ids, cfg, seed, **kwargs)
+                hf_time[name][0] += seconds
+                hf_time[name][1] += len(tokens)
+                results[name] = tokens
+                records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
+                                          "sample": s, "seed": seed, "tokens": tokens}) + "\n")
+            if cfg.temperature == 0:  # greedy: every decoder must reproduce plain decoding exactly
+                reference = results["vanilla"].tokens
+                for name, res in results.items():
+                    tokens = res.tokens if hasattr(res, "tokens") else res
+                    identity[name].append(compare_greedy(model, ids[0].tolist(), tokens, reference, cfg.tie_tolerance))
+        records.flush()
+    records.close()
+
+    base = summarize(outputs["vanilla"])
+    report = {"model": verifier.name, "verifier_fingerprint": verifier.fingerprint, "dtype": str(model.dtype),
+              "data": cfg.data.name, "num_prompts": len(prompts), "num_samples": cfg.num_samples,
+              "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+              "top_k": cfg.top_k, "decode_tree": cfg.decode.name if proposer is not None else None,
+              "drafter": cfg.drafter if proposer is not None else None, "drafter_meta": drafter_meta,
+              "threads": torch.get_num_threads(), "lossy": lossy, "methods": {}}
+    for name in runs:
+        stats = method_stats(outputs[name], latencies[name], max_depth)
+        stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"]
+        report["methods"][name] = stats
+    for name, (seconds, n) in hf_time.items():
+        report["methods"][name] = {"tokens_per_s": n / seconds, "speedup": (n / seconds) / base["tokens_per_s"],
+                                   "num_tokens": n, "total_s": seconds}
+    for name, checks in identity.items():
+        if checks:
+            same = sum(c["identical"] for c in checks)
+            ties = sum(bool(c.get("tie")) for c in checks)
+            report["methods"][name]["greedy_identity_rate"] = same / len(checks)
+            report["methods"][name]["greedy_divergences_explained_by_ties"] = ties
+            report["methods"][name]["greedy_divergences_unexplained"] = len(checks) - same - ties
+    report["per_category"] = {cat: {name: {"tau": summarize(outs)["tau"], "tokens_per_s": summarize(outs)["tokens_per_s"]}
+                                    for name, outs in by.items()} for cat, by in sorted(categories.items())}
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    table = markdown_table(report)
+    (out_dir / "results.md").write_text(table + "\n")
+    plot(report, out_dir, method, max_depth)
+    print(table)
+    print(f"results -> {out_dir}/results.json")
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    head = (f"{report['model']} ({report['dtype']}, {report['threads']} threads), data={report['data']} "
+            f"x{report['num_prompts']}, T={report['temperature']}, max_new_tokens={report['max_new_tokens']}, "
+            f"tree={report['decode_tree']}" + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
+    rows = ["| method | tau | tokens/s | speedup vs vanilla | median ms/token | p99 ms/token | greedy identical |",
+            "|---|---|---|---|---|---|---|"]
+    for name, m in report["methods"].items():
+        ident = m.get("greedy_identity_rate")
+        ident_s = "n/a" if ident is None else f"{ident:.0%}" + (
+            f" ({m['greedy_divergences_explained_by_ties']} ties)" if m.get("greedy_divergences_explained_by_ties") else "")
+        fmt = lambda key, spec: format(m[key], spec) if key in m else "–"  # noqa: E731
+        rows.append(f"| {name} | {fmt('tau', '.2f')} | {fmt('tokens_per_s', '.1f')} | {fmt('speedup', '.2f')}x "
+                    f"| {fmt('latency_median_ms', '.1f')} | {fmt('latency_p99_ms', '.1f')} | {ident_s} |")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def plot(report: dict, out_dir: Path, method: str, max_depth: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = report["methods"].get(method)
+    if stats is None:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    hist = stats["accept_length_hist"]
+    ax.bar([int(k) for k in hist], list(hist.values()))
+    ax.set(xlabel="tokens emitted per verifier forward", ylabel="steps", title=f"{method}: tau={stats['tau']:.2f}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_hist.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(range(1, max_depth + 1), stats["accepted_per_depth"], marker="o")
+    ax.set(xlabel="tree depth d", ylabel="P(accepted depth >= d)", ylim=(0, 1), title=f"{method}: acceptance by depth")
+    fig.tight_layout()
+    fig.savefig(out_dir / "accepted_per_depth.png", dpi=120)
+    plt.close(fig)
+
+
+@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores):
+#   1. convert the packaged GGUF verifier once (cached under ~/.cache/draftsmith),
+#   2. self-distill: the verifier answers chit-chat prompts itself (fp32, greedy; resumable),
+#   3. train 4 Medusa-1 heads on those answers; per-head held-out accuracy is printed,
+#   4. evaluate them on MT-bench against plain decoding and HF generate; print the table.
+# CPU-sized choices (see README "Results"): heads share the verifier's frozen lm_head and the
+# frozen verifier runs in bf16 while training (its fingerprint does not depend on dtype); the
+# evaluation runs the verifier in bf16, where verifying a 16-node tree costs ~1.3 plain steps.
+# Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh method.lm_head=own
+# (extra arguments are Hydra overrides for train/medusa.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NUM_PROMPTS="${NUM_PROMPTS:-200}"
+STEPS="${STEPS:-200}"
+EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
+export WANDB_MODE="${WANDB_MODE:-offline}"
+
+python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" batch_size=16 max_new_tokens=128
+python train/medusa.py trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 \
+    method.lm_head=shared model.dtype=bfloat16 "$@"
+python decode/evaluate.py model.dtype=bfloat16 decode=medusa-small data=mtbench \
+    data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64
