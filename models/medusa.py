@@ -72,7 +72,7 @@ class MedusaHeads(nn.Module):
             return self.lm_heads[k](features)
         if lm_head is None:
             raise ValueError("MedusaHeads(lm_head='shared') needs the verifier's lm_head at call time")
-        return lm_head(features)
+        return lm_head(features.to(lm_head.weight.dtype))  # the verifier may run in bf16
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (K, ..., V)."""

@@ -81,7 +81,7 @@ def evaluate(verifier, heads, loader, accelerator, decay: float) -> dict:
     totals: dict[str, float] = {}
     loss_sum, batches = 0.0, 0
     for batch in loader:
-        hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
         with accelerator.autocast():
             loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, decay)
         loss_sum, batches = loss_sum + loss.item(), batches + 1
@@ -161,8 +161,8 @@ def run(cfg: DictConfig) -> dict:
                 batch = next(batches)
             with accelerator.accumulate(heads):
                 # The loss step: frozen verifier features, then the heads' weighted CE.
-                with torch.no_grad():
-                    hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+                with torch.no_grad():  # fp32 for the heads even when the verifier runs in bf16
+                    hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
                 with accelerator.autocast():
                     loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, mcfg.decay)
                 accelerator.backward(loss)
