@@ -27,6 +27,7 @@ from decode.proposers import make_proposer
 from models.checkpoint import load_drafter
 from models.errors import DraftsmithError, choose, exit_on_user_error
 from models.verifier import load_verifier
+from train.core.cli import check_cli_overrides
 from train.core.data import load_prompts
 
 
@@ -224,28 +225,32 @@ def markdown_table(report: dict) -> str:
     return head + "\n\n" + "\n".join(rows)
 
 
-def plot(report: dict, out_dir: Path, method: str, max_depth: int) -> None:
+def save_plot(path: Path, draw, **axes) -> None:
+    """One small PNG: draw(ax) plots, `axes` go to ax.set (labels, title, limits, scales)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    draw(ax)
+    ax.set(**axes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(report: dict, out_dir: Path, method: str, max_depth: int) -> None:
     stats = report["methods"].get(method)
     if stats is None:
         return
-    fig, ax = plt.subplots(figsize=(5, 3.2))
     hist = stats["accept_length_hist"]
-    ax.bar([int(k) for k in hist], list(hist.values()))
-    ax.set(xlabel="tokens emitted per verifier forward", ylabel="steps", title=f"{method}: tau={stats['tau']:.2f}")
-    fig.tight_layout()
-    fig.savefig(out_dir / "acceptance_hist.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(range(1, max_depth + 1), stats["accepted_per_depth"], marker="o")
-    ax.set(xlabel="tree depth d", ylabel="P(accepted depth >= d)", ylim=(0, 1), title=f"{method}: acceptance by depth")
-    fig.tight_layout()
-    fig.savefig(out_dir / "accepted_per_depth.png", dpi=120)
-    plt.close(fig)
+    save_plot(out_dir / "acceptance_hist.png", lambda ax: ax.bar([int(k) for k in hist], list(hist.values())),
+              xlabel="tokens emitted per verifier forward", ylabel="steps", title=f"{method}: tau={stats['tau']:.2f}")
+    save_plot(out_dir / "accepted_per_depth.png",
+              lambda ax: ax.plot(range(1, max_depth + 1), stats["accepted_per_depth"], marker="o"),
+              xlabel="tree depth d", ylabel="P(accepted depth >= d)", ylim=(0, 1),
+              title=f"{method}: acceptance by depth")
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
@@ -255,4 +260,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_cli_overrides("evaluate")
     main()

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from decode import evaluate
 from models.errors import exit_on_user_error
 from models.verifier import load_verifier
+from train.core.cli import check_cli_overrides
 
 
 @torch.inference_mode()
@@ -110,21 +111,15 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, out_dir: Path) -> None:
-    import matplotlib
+    def draw(ax):
+        for dtype, e in report["by_dtype"].items():
+            ks = [int(k) for k in e["T_ratio"]]
+            ax.plot(ks, list(e["T_ratio"].values()), marker="o", label=f"{dtype} (T(1)={e['T1_ms']:.0f} ms)")
+        ax.legend()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for dtype, e in report["by_dtype"].items():
-        ks = [int(k) for k in e["T_ratio"]]
-        ax.plot(ks, list(e["T_ratio"].values()), marker="o", label=f"{dtype} (T(1)={e['T1_ms']:.0f} ms)")
-    ax.set(xscale="log", xlabel="tokens verified in one forward (k)", ylabel="T(k) / T(1)",
-           title=f"verify cost on a {report['cache_len']}-token cache")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "verify_cost.png", dpi=120)
-    plt.close(fig)
+    evaluate.save_plot(out_dir / "verify_cost.png", draw, xscale="log", ylabel="T(k) / T(1)",
+                       xlabel="tokens verified in one forward (k)",
+                       title=f"verify cost on a {report['cache_len']}-token cache")
 
 
 @hydra.main(config_path="../conf", config_name="bench_decode", version_base="1.3")
@@ -134,4 +129,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_cli_overrides("bench_decode")
     main()

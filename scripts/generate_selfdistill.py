@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from models.errors import exit_on_user_error
 from models.verifier import load_verifier
+from train.core.cli import check_cli_overrides
 from train.core.data import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
 
 # Settings that change what the answers look like: a resumed run must match them.
@@ -173,6 +174,11 @@ def run(cfg: DictConfig) -> dict:
     tokenizer = verifier.tokenizer
     encoded = [(p, tokenizer(render(tokenizer, p["messages"], add_generation_prompt=True),
                              add_special_tokens=False)["input_ids"]) for p in todo]
+    long = [p["id"] for p, ids in encoded if len(ids) > int(cfg.max_prompt_tokens)]
+    if long:  # a single very long prompt would pad its whole batch (and rarely fits data.max_length)
+        print(f"selfdistill: skipping {len(long)} prompts longer than max_prompt_tokens={cfg.max_prompt_tokens}")
+        encoded = [(p, ids) for p, ids in encoded if len(ids) <= int(cfg.max_prompt_tokens)]
+    counts["skipped_long"] = len(long)
     encoded.sort(key=lambda pair: -len(pair[1]))
     torch.manual_seed(int(cfg.seed))
     new_tokens, t0 = 0, time.time()
@@ -211,4 +217,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_cli_overrides("selfdistill")
     main()

@@ -10,8 +10,10 @@ simulated acceptance length are measured on the held-out split at every eval.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 import hydra
 import torch
@@ -25,6 +27,7 @@ from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
+from train.core.cli import check_cli_overrides
 from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
 from train.core.logging import init_trackers, trackers
 
@@ -148,6 +151,8 @@ def run(cfg: DictConfig) -> dict:
                       f"{batches_per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}]")
     metrics: dict = {}
     best = {"eval/simulated_tau": -math.inf}
+    if step and (Path(cfg.output_dir) / "best" / "meta.json").is_file():  # keep the best across resumes
+        best = json.loads((Path(cfg.output_dir) / "best" / "meta.json").read_text())["metrics"]
     tokens, t0 = 0, time.time()
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="medusa", disable=not accelerator.is_main_process)
     heads.train()
@@ -220,4 +225,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_cli_overrides("medusa")
     main()

@@ -4,8 +4,9 @@ import re
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import DynamicCache, StaticCache
 
+from tests.tiny import tiny_llama
 from decode.tree import (
     TreeBuffers,
     ancestor_mask,
@@ -138,19 +139,14 @@ def test_verify_inputs_static_kv_length_and_buffers():
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 4]  # 7 nodes, depth 3, two branches
 
 
-def tiny_llama_fp64(attn_implementation: str) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
-    return model.to(torch.float64).eval()
+def tiny_llama_fp64(attn_implementation: str):
+    return tiny_llama(vocab_size=64, dtype=torch.float64, attn_implementation=attn_implementation)
+
+
+def tree_forward(model, tokens, mask, position_ids, cache) -> torch.Tensor:
+    """(n, V) logits of one forward over the tree tokens on top of `cache`."""
+    return model(input_ids=tokens[None], attention_mask=mask, position_ids=position_ids, cache=cache,
+                 use_cache=True).logits[0]
 
 
 def path_logits_alone(model, prefix: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -174,13 +170,7 @@ def test_tree_forward_matches_paths_alone_dynamic_cache(attn_implementation):
     model(input_ids=prefix[None], cache=cache, use_cache=True)  # transformers 5: `cache=`
     assert cache.get_seq_length() == 5
     mask, position_ids, _ = verify_inputs(torch.tensor(TREE_PARENTS), 5, torch.float64)
-    tree_logits = model(
-        input_ids=tokens[None],
-        attention_mask=mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-    ).logits[0]  # (n, V)
+    tree_logits = tree_forward(model, tokens, mask, position_ids, cache)  # (n, V)
     assert cache.get_seq_length() == 5 + len(TREE_PARENTS)  # the whole tree was appended
 
     want = path_logits_alone(model, prefix, tokens)
@@ -204,13 +194,7 @@ def test_tree_forward_static_cache_with_kv_length(attn_implementation, atol):
     model(input_ids=prefix[None], cache=cache, use_cache=True)
     buffers = TreeBuffers.from_parents(TREE_PARENTS)
     mask, position_ids, _ = buffers.verify_inputs(5, torch.float64, kv_length=32)
-    tree_logits = model(
-        input_ids=tokens[None],
-        attention_mask=mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-    ).logits[0]
+    tree_logits = tree_forward(model, tokens, mask, position_ids, cache)
     want = path_logits_alone(model, prefix, tokens)
     torch.testing.assert_close(tree_logits, want, atol=atol, rtol=0)
 

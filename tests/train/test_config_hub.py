@@ -39,3 +39,14 @@ def test_unknown_keys_are_rejected():
         compose_config("medusa", ["method.num_hedas=4"])
     with pytest.raises(ConfigCompositionException, match="llama9"):
         compose_config("medusa", ["model=llama9"])
+
+
+def test_misspelt_keys_fail_in_one_line_listing_the_valid_ones(capsys):
+    from train.core.cli import check_cli_overrides
+
+    with pytest.raises(SystemExit) as info:
+        check_cli_overrides("medusa", ["method.num_hedas=4"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'method.num_hedas'" in err and "num_heads" in err
+    check_cli_overrides("medusa", ["method=medusa1", "method.num_heads=2", "+extra=1", "trainer=debug"])  # fine

@@ -1,0 +1,42 @@
+"""Entry-point helpers: reject unknown config keys in one line that lists the valid ones."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist."""
+    for arg in overrides:
+        key = arg.split("=", 1)[0]
+        if "=" not in arg or key.startswith(("+", "~", "hydra.")) or "." not in key:
+            continue  # additions, deletions, Hydra's own keys and group choices are Hydra's job
+        node, parts = cfg, key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, DictConfig) or part not in node:
+                where = ".".join(parts[:i]) or "the top level"
+                valid = ", ".join(sorted(str(k) for k in node)) if isinstance(node, DictConfig) else "(not a group)"
+                return f"unknown config key {key!r}: {where} has no {part!r}; valid: {valid}"
+            node = node[part]
+    return None
+
+
+def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:
+    """Compose the config like Hydra would and stop on a misspelt key before any work starts."""
+    from hydra import compose, initialize_config_dir
+
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    choices = [a for a in args if "=" in a and "." not in a.split("=", 1)[0] and not a.startswith(("+", "~"))]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=choices)
+    except Exception:
+        return  # let Hydra report its own composition errors (unknown group options etc.)
+    problem = unknown_override(cfg, args)
+    if problem:
+        print(f"draftsmith: error: {problem}", file=sys.stderr)
+        sys.exit(2)
