@@ -50,3 +50,4 @@ def test_misspelt_keys_fail_in_one_line_listing_the_valid_ones(capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'method.num_hedas'" in err and "num_heads" in err
     check_cli_overrides("medusa", ["method=medusa1", "method.num_heads=2", "+extra=1", "trainer=debug"])  # fine
+    check_cli_overrides("selfdistill", ["data@data.prompts=mtbench", "data.prompts.num_prompts=3"])

@@ -13,7 +13,7 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist."""
     for arg in overrides:
         key = arg.split("=", 1)[0]
-        if "=" not in arg or key.startswith(("+", "~", "hydra.")) or "." not in key:
+        if "=" not in arg or key.startswith(("+", "~", "hydra.")) or "." not in key or "@" in key:
             continue  # additions, deletions, Hydra's own keys and group choices are Hydra's job
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
@@ -30,7 +30,11 @@ def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None
     from hydra import compose, initialize_config_dir
 
     args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-    choices = [a for a in args if "=" in a and "." not in a.split("=", 1)[0] and not a.startswith(("+", "~"))]
+    def is_choice(a: str) -> bool:  # a group selection: `model=x`, `data@data.prompts=y`
+        key = a.split("=", 1)[0]
+        return "=" in a and ("." not in key or "@" in key) and not a.startswith(("+", "~"))
+
+    choices = [a for a in args if is_choice(a)]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=choices)
