@@ -174,9 +174,7 @@ class MedusaProposer(Proposer):
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> (D, ..., V) logits of the first D = tree-depth heads only."""
-        return torch.stack([
-            self.heads.project(self.heads.head_features(hidden, k), k, self.lm_head) for k in range(self.depth)
-        ])
+        return self.heads(hidden, self.lm_head, num_heads=self.depth)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         device = self.buffers.parents.device

@@ -74,7 +74,11 @@ class MedusaHeads(nn.Module):
             raise ValueError("MedusaHeads(lm_head='shared') needs the verifier's lm_head at call time")
         return lm_head(features.to(lm_head.weight.dtype))  # the verifier may run in bf16
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden (..., H) -> logits (K, ..., V)."""
-        return torch.stack([self.project(self.head_features(hidden, k), k, lm_head)
-                            for k in range(self.config.num_heads)])
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
+                num_heads: int | None = None) -> torch.Tensor:
+        """hidden (..., H) -> logits (K, ..., V) of the first `num_heads` heads (default all)."""
+        k_max = self.config.num_heads if num_heads is None else num_heads
+        feats = torch.stack([self.head_features(hidden, k) for k in range(k_max)])  # (K, ..., H)
+        if self.config.lm_head == "shared":  # one projection call for all heads
+            return self.project(feats, 0, lm_head)
+        return torch.stack([self.project(feats[k], k, lm_head) for k in range(k_max)])
