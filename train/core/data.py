@@ -88,39 +88,35 @@ def _text(value, where: str, field: str) -> str:
     raise _bad(where, field, value, "a string")
 
 
-def sharegpt_messages(record: dict, where: str) -> list[dict]:
-    """ShareGPT: {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}."""
-    turns = record.get("conversations")
+def _schema_messages(record: dict, where: str, list_key: str, role_key: str, content_key: str,
+                     roles: dict[str, str]) -> list[dict]:
+    """Validate record[list_key] = [{role_key, content_key}, ...] and map roles via `roles`."""
+    turns = record.get(list_key)
     if not isinstance(turns, list) or not turns:
-        raise _bad(where, "conversations", turns, "a non-empty list of {from, value}")
+        raise _bad(where, list_key, turns, f"a non-empty list of {{{role_key}, {content_key}}}")
     messages = []
-    if isinstance(record.get("system"), str) and record["system"]:
-        messages.append({"role": "system", "content": record["system"]})
     for j, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise _bad(where, f"conversations[{j}]", turn, "an object {from, value}")
-        role = turn.get("from")
-        if role not in SHAREGPT_ROLES:
-            raise _bad(where, f"conversations[{j}].from", role, "one of " + "/".join(SHAREGPT_ROLES))
-        content = _text(turn.get("value"), where, f"conversations[{j}].value")
-        messages.append({"role": SHAREGPT_ROLES[role], "content": content})
+            raise _bad(where, f"{list_key}[{j}]", turn, f"an object {{{role_key}, {content_key}}}")
+        role = turn.get(role_key)
+        if role not in roles:
+            raise _bad(where, f"{list_key}[{j}].{role_key}", role, "one of " + "/".join(roles))
+        content = _text(turn.get(content_key), where, f"{list_key}[{j}].{content_key}")
+        messages.append({"role": roles[role], "content": content})
+    return messages
+
+
+def sharegpt_messages(record: dict, where: str) -> list[dict]:
+    """ShareGPT: {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}."""
+    messages = _schema_messages(record, where, "conversations", "from", "value", SHAREGPT_ROLES)
+    if isinstance(record.get("system"), str) and record["system"]:
+        messages.insert(0, {"role": "system", "content": record["system"]})
     return messages
 
 
 def openai_messages(record: dict, where: str) -> list[dict]:
     """OpenAI: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}."""
-    turns = record.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise _bad(where, "messages", turns, "a non-empty list of {role, content}")
-    messages = []
-    for j, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise _bad(where, f"messages[{j}]", turn, "an object {role, content}")
-        role = turn.get("role")
-        if role not in ROLES:
-            raise _bad(where, f"messages[{j}].role", role, "one of " + "/".join(ROLES))
-        messages.append({"role": role, "content": _text(turn.get("content"), where, f"messages[{j}].content")})
-    return messages
+    return _schema_messages(record, where, "messages", "role", "content", {r: r for r in ROLES})
 
 
 def auto_messages(record: dict, where: str) -> list[dict]:
