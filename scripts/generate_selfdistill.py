@@ -13,15 +13,10 @@ records.jsonl are skipped and a torn last line is dropped. The folder loads with
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-if importlib.util.find_spec("train") is None:  # not pip-installed: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra
 import torch

@@ -1,7 +1,6 @@
 import csv
 
 import pytest
-import torch
 
 from models.checkpoint import load_drafter
 from models.errors import DraftsmithError
