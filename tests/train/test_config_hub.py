@@ -1,4 +1,3 @@
-
 import pytest
 from hydra.errors import ConfigCompositionException
 
