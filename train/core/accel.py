@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from accelerate import Accelerator
@@ -20,6 +21,11 @@ def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
     mixed = choose(PRECISIONS, trainer_cfg.precision, "trainer.precision")
     acc = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=trainer_cfg.grad_accum,
                       log_with=log_with or None)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != acc.num_processes:
+        raise DraftsmithError(
+            f"the launcher started {launched} processes but accelerate sees {acc.num_processes}: each would "
+            f"train alone; on CPU launch with ACCELERATE_USE_CPU=1 (see conf/accelerate/cpu-2proc.yaml)")
     set_seed(seed, device_specific=False)
     if trainer_cfg.threads and acc.device.type == "cpu":
         torch.set_num_threads(int(trainer_cfg.threads))
