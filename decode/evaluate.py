@@ -33,7 +33,7 @@ from train.core.data import load_prompts
 
 def build_proposer(cfg, verifier):
     """The method's proposer (None = plain decoding) and the drafter's metadata."""
-    kind = choose({"vanilla": None, "medusa": None}, cfg.method.proposer, "method.proposer")
+    kind = choose({"vanilla": "vanilla", "medusa": "medusa"}, cfg.method.proposer, "method.proposer")
     if kind == "vanilla":
         return None, {}
     if not cfg.drafter:

@@ -85,3 +85,11 @@ def test_tree_deeper_than_heads_is_one_line(tiny_model_dir, tmp_path):
                         verifier_fingerprint=fingerprint(tiny_llama(dtype=torch.float32)), verifier_name="tiny")
     with pytest.raises(DraftsmithError, match="4 deep.*2 heads"):
         run(_cfg(tiny_model_dir, tmp_path / "eval", f"drafter={path}", "decode=medusa-small"))
+
+
+def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_model_dir, tmp_path):
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.enabled=false",
+                      "data.num_prompts=1", "max_new_tokens=4"))
+    assert list(report["methods"]) == ["vanilla"] and report["methods"]["vanilla"]["tau"] == 1.0
+    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: medusa, vanilla"):
+        run(_cfg(tiny_model_dir, tmp_path / "eval", "method.proposer=eagle9"))
