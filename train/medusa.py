@@ -126,7 +126,8 @@ def run(cfg: DictConfig) -> dict:
     optimizer = make_optimizer([{"params": list(heads.parameters())}], tcfg)
     scheduler = make_scheduler(optimizer, tcfg)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
-    init_trackers(accelerator, cfg.logger, f"medusa-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True))
+    init_trackers(accelerator, cfg.logger, f"medusa-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
+                  cfg.output_dir)
 
     step = 0
     ckpt = latest_checkpoint(cfg.output_dir) if tcfg.resume else None

@@ -33,10 +33,11 @@ def _cfg(tiny_model_dir, out, *extra):
 
 def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, drafter, tmp_path):
     out = tmp_path / "eval"
-    report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "decode=medusa-small"))
+    report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "decode=medusa-small",
+                      f"hf.assistant={tiny_model_dir}"))  # the verifier as its own HF assistant
     methods = report["methods"]
-    assert set(methods) == {"vanilla", "medusa", "hf_generate", "hf_prompt_lookup"}
-    for name in ("vanilla", "medusa", "hf_generate", "hf_prompt_lookup"):
+    assert set(methods) == {"vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_assisted"}
+    for name in ("vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_assisted"):
         m = methods[name]
         # every decoder reproduces plain greedy decoding (or differs only at a numerical tie)
         assert m["greedy_identity_rate"] == 1.0 or m["greedy_divergences_unexplained"] == 0, (name, m)
@@ -44,7 +45,7 @@ def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, draft
     assert methods["vanilla"]["speedup"] == 1.0
     assert len(methods["medusa"]["accepted_per_depth"]) == 4
     lines = [json.loads(l) for l in (out / "outputs.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 * 4 and all(l["tokens"] for l in lines)
+    assert len(lines) == 3 * 5 and all(l["tokens"] for l in lines)
     ours = [l for l in lines if l["method"] == "medusa"]
     assert all(l["prompt_ids"] and len(l["tokens"]) <= 12 for l in ours)
     for name in ("results.json", "results.md", "acceptance_hist.png", "accepted_per_depth.png"):

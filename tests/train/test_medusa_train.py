@@ -55,3 +55,12 @@ def test_shared_lm_head_mode_trains(tiny_model_dir, tmp_path):
 def test_bad_method_value_is_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="method.lm_head='tied'.*valid: own, shared"):
         run(_cfg(tiny_model_dir, tmp_path / "run", "method.lm_head=tied"))
+
+
+def test_wandb_logger_works_offline(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    run(_cfg(tiny_model_dir, out, "logger=wandb", "logger.project=draftsmith-test"))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs, list(out.iterdir())
+    assert (out / "metrics.csv").is_file()  # the CSV copy is kept beside wandb

@@ -45,7 +45,6 @@ def _csv(logger_cfg, output_dir):
 def _wandb(logger_cfg, output_dir):
     # Offline unless the user asks otherwise: online with no network blocks for minutes.
     os.environ.setdefault("WANDB_MODE", logger_cfg.get("mode") or "offline")
-    os.environ.setdefault("WANDB_DIR", str(output_dir))
     return ["wandb", CSVTracker(output_dir)]
 
 
@@ -61,9 +60,11 @@ def trackers(logger_cfg, output_dir) -> list:
     return choose(LOGGERS, logger_cfg.name, "logger")(logger_cfg, output_dir)
 
 
-def init_trackers(accelerator, logger_cfg, run_name: str, config: dict) -> None:
+def init_trackers(accelerator, logger_cfg, run_name: str, config: dict, output_dir) -> None:
     init_kwargs = {}
-    if logger_cfg.name == "wandb":
+    if logger_cfg.name == "wandb":  # wandb files go under output_dir/wandb unless WANDB_DIR says otherwise
+        wandb_dir = os.environ.get("WANDB_DIR") or str(output_dir)
+        Path(wandb_dir).mkdir(parents=True, exist_ok=True)
         init_kwargs["wandb"] = {k: v for k, v in {"entity": logger_cfg.get("entity"), "name": run_name,
-                                                  "dir": os.environ.get("WANDB_DIR")}.items() if v}
+                                                  "dir": wandb_dir}.items() if v}
     accelerator.init_trackers(logger_cfg.get("project") or "draftsmith", config=config, init_kwargs=init_kwargs)
