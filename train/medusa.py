@@ -29,6 +29,7 @@ from train.core.accel import make_accelerator, make_optimizer, make_scheduler
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
 from train.core.cli import check_cli_overrides
 from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
+from train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
 
 
@@ -79,12 +80,20 @@ def simulated_tau(top1: list[float]) -> float:
 
 
 @torch.no_grad()
+def verifier_features(verifier, batch) -> torch.Tensor:
+    """The verifier's final hidden states (B, T, H) in fp32: stored offline, or computed now."""
+    if "hidden" in batch:
+        return batch["hidden"].float()
+    return verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()
+
+
+@torch.no_grad()
 def evaluate(verifier, heads, loader, accelerator, decay: float) -> dict:
     heads.eval()
     totals: dict[str, float] = {}
     loss_sum, batches = 0.0, 0
     for batch in loader:
-        hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
+        hidden = verifier_features(verifier, batch)  # (B, T, H)
         with accelerator.autocast():
             loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, decay)
         loss_sum, batches = loss_sum + loss.item(), batches + 1
@@ -108,17 +117,27 @@ def evaluate(verifier, heads, loader, accelerator, decay: float) -> dict:
 def run(cfg: DictConfig) -> dict:
     tcfg, mcfg = cfg.trainer, cfg.method
     accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
-    verifier = load_verifier(cfg.model, device=accelerator.device)
-    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
-    check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
-    tokenizer = verifier.tokenizer
+    if cfg.data.get("features"):  # offline: stored hidden states, only the lm_head is loaded
+        manifest = read_manifest(cfg.data.features)
+        verifier = offline_verifier(cfg.model, manifest)
+        verifier.lm_head.to(accelerator.device)
+        train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
+        claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
 
-    # Data: chat conversations -> assistant-only labels; a held-out split never trained on.
-    train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
-    train_ds = tokenize_conversations(train_conv, tokenizer, cfg.data.max_length)
-    eval_ds = tokenize_conversations(eval_conv, tokenizer, cfg.data.max_length)
-    pad_id = tokenizer.pad_token_id
-    eval_loader = accelerator.prepare(make_dataloader(eval_ds, tcfg.eval_batch_size, pad_id, shuffle=False, seed=0))
+        def loader_for(ds, batch_size, shuffle, seed):
+            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed)
+    else:  # online: the frozen verifier runs inside every step
+        verifier = load_verifier(cfg.model, device=accelerator.device)
+        claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
+        check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
+        # Chat conversations -> assistant-only labels; a held-out split never trained on.
+        train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
+        train_ds = tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length)
+        eval_ds = tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)
+
+        def loader_for(ds, batch_size, shuffle, seed):
+            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed)
+    eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
                           num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head)
@@ -136,11 +155,10 @@ def run(cfg: DictConfig) -> dict:
         accelerator.print(f"resuming from {ckpt} at step {step}")
 
     def epoch_loader(epoch: int):
-        loader = make_dataloader(train_ds, tcfg.batch_size, pad_id, shuffle=True, seed=cfg.seed + epoch)
-        return accelerator.prepare(loader)
+        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch))
 
     # A prepared loader yields ceil(batches / processes) batches per process.
-    raw_batches = len(make_dataloader(train_ds, tcfg.batch_size, pad_id, shuffle=True, seed=cfg.seed))
+    raw_batches = len(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed))
     batches_per_epoch = math.ceil(raw_batches / accelerator.num_processes)
     micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
     epoch, offset = divmod(micro, batches_per_epoch)
@@ -167,8 +185,7 @@ def run(cfg: DictConfig) -> dict:
                 batch = next(batches)
             with accelerator.accumulate(heads):
                 # The loss step: frozen verifier features, then the heads' weighted CE.
-                with torch.no_grad():  # fp32 for the heads even when the verifier runs in bf16
-                    hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
+                hidden = verifier_features(verifier, batch)  # (B, T, H) frozen, fp32
                 with accelerator.autocast():
                     loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, mcfg.decay)
                 accelerator.backward(loss)

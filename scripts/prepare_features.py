@@ -1,0 +1,94 @@
+"""Run the frozen verifier once over the training data and write its features to disk.
+
+    python scripts/prepare_features.py                                    # self-distilled data
+    python scripts/prepare_features.py model=vicuna-7b-v1.3 data=sharegpt data.path=/data/sg.json
+    accelerate launch scripts/prepare_features.py ...                     # shards split over processes
+    python train/medusa.py data.features=outputs/data/features-smollm2-135m-selfdistill
+
+Same tokenization and held-out split as the trainers (train/core/data.py), so training on
+the features sees exactly the batches an online run sees. Shards are written to a temporary
+name and renamed; rerunning skips finished shards (resume). Layout: train/core/features.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from accelerate import PartialState
+from omegaconf import DictConfig
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from models.errors import choose, exit_on_user_error
+from models.verifier import DTYPES, load_verifier
+from train.core.cli import check_cli_overrides
+from train.core.data import collate_batch, load_conversations, split_heldout, tokenize_conversations
+from train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
+
+
+@torch.inference_mode()
+def write_split(verifier, ds, out: Path, cfg, dtype, state: PartialState) -> dict:
+    """Write one split's shards; shard i is done by process i % num_processes."""
+    out.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(ds) + cfg.shard_size - 1) // cfg.shard_size
+    mine = [i for i in range(n_shards) if i % state.num_processes == state.process_index]
+    pad_id = verifier.tokenizer.pad_token_id
+    for i in tqdm(mine, desc=f"features {out.name}", disable=not state.is_main_process):
+        path = out / f"shard-{i:05d}.safetensors"
+        if path.is_file():
+            continue  # finished by an earlier run
+        examples = [ds[j] for j in range(i * cfg.shard_size, min(len(ds), (i + 1) * cfg.shard_size))]
+        hidden = []
+        for b in range(0, len(examples), cfg.batch_size):
+            chunk = examples[b:b + cfg.batch_size]
+            batch = collate_batch(chunk, pad_id)
+            h = verifier.hidden_states(batch["input_ids"].to(verifier.model.device),
+                                       batch["attention_mask"].to(verifier.model.device))  # (B, T, H)
+            hidden += [h[k, : len(ex["input_ids"])].to("cpu", dtype) for k, ex in enumerate(chunk)]
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        save_file(shard_tensors(examples, hidden), str(tmp))
+        os.replace(tmp, path)
+    return {"examples": len(ds), "tokens": int(sum(len(x) for x in ds["input_ids"])), "shards": n_shards}
+
+
+def run(cfg: DictConfig) -> dict:
+    state = PartialState()
+    dtype = choose(DTYPES, cfg.dtype, "dtype")
+    out = Path(cfg.output_dir)
+    verifier = load_verifier(cfg.model, device=state.device)
+    train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
+    splits = {"train": tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length),
+              "eval": tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)}
+    per_1k = bytes_per_1k_tokens(verifier.config.hidden_size, dtype)
+    tokens = sum(int(sum(len(x) for x in ds["input_ids"])) for ds in splits.values())
+    if state.is_main_process:
+        print(f"features: {per_1k / 1e6:.2f} MB per 1k tokens ({cfg.dtype}, h={verifier.config.hidden_size}); "
+              f"{tokens:,} tokens -> {tokens * per_1k / 1e9 / 1000:.3f} GB in {out}", flush=True)
+    t0 = time.time()
+    counts = {name: write_split(verifier, ds, out / name, cfg, dtype, state) for name, ds in splits.items()}
+    state.wait_for_everyone()
+    manifest = {"verifier": {"name": verifier.name, "fingerprint": verifier.fingerprint}, "dtype": cfg.dtype,
+                "hidden": "last", "hidden_size": verifier.config.hidden_size, "vocab_size": verifier.config.vocab_size,
+                "data": {"name": cfg.data.name, "path": cfg.data.get("path"), "max_length": cfg.data.max_length,
+                         "eval_size": cfg.data.eval_size, "seed": cfg.data.seed},
+                "splits": counts, "bytes_per_1k_tokens": per_1k, "complete": True}
+    if state.is_main_process:
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        print(f"features: {counts['train']['examples']} train / {counts['eval']['examples']} held-out "
+              f"conversations in {time.time() - t0:.0f}s -> {out}", flush=True)
+    return manifest
+
+
+@hydra.main(config_path="../conf", config_name="prepare", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    check_cli_overrides("prepare")
+    main()

@@ -1,0 +1,75 @@
+"""Offline features: prepare once, then train without the verifier body; same loss as online."""
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models.checkpoint import load_drafter
+from models.errors import DraftsmithError
+from models.medusa import MedusaConfig, MedusaHeads
+from models.verifier import load_verifier
+from scripts.prepare_features import run as prepare
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from train.core.features import FeatureDataset, collate_features, read_manifest
+from train.medusa import medusa_loss, run as train
+
+
+@pytest.fixture()
+def features(tiny_model_dir, tmp_path):
+    out = tmp_path / "features"
+    cfg = compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "dtype=float32", "shard_size=4", "batch_size=3", f"output_dir={out}"])
+    manifest = prepare(cfg)
+    return out, manifest, cfg
+
+
+def test_manifest_and_shards(features, tiny_model_dir):
+    out, manifest, _ = features
+    verifier = load_verifier(OmegaConf.create(compose_config("medusa", tiny_model_overrides(tiny_model_dir)).model))
+    assert manifest["verifier"]["fingerprint"] == verifier.fingerprint
+    assert manifest["splits"]["train"]["examples"] == 10 and manifest["splits"]["eval"]["examples"] == 2
+    assert len(list((out / "train").glob("shard-*.safetensors"))) == 3  # 10 conversations, 4 per shard
+    assert manifest["bytes_per_1k_tokens"] == 1000 * (32 * 4 + 16)
+    assert read_manifest(out)["complete"]
+
+
+def test_online_and_offline_give_the_same_loss(features, tiny_model_dir):
+    out, _, _ = features
+    verifier = load_verifier(OmegaConf.create(compose_config("medusa", tiny_model_overrides(tiny_model_dir)).model))
+    ds = FeatureDataset(out, "train")
+    batch = collate_features([ds[i] for i in range(5)], pad_id=verifier.tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(32, 128, num_heads=2), verifier.lm_head)
+    for p in heads.parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    online_hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])
+    online, _ = medusa_loss(heads, online_hidden, batch["labels"], verifier.lm_head, 0.8)
+    offline, _ = medusa_loss(heads, batch["hidden"], batch["labels"], verifier.lm_head, 0.8)
+    torch.testing.assert_close(offline, online, rtol=1e-6, atol=1e-6)
+
+
+def test_training_from_features_and_resume_of_prepare(features, tiny_model_dir, tmp_path):
+    out, manifest, prep_cfg = features
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("shard-*.safetensors")}
+    prepare(prep_cfg)  # a rerun finds every shard done and rewrites none
+    assert stamps == {p: p.stat().st_mtime_ns for p in out.rglob("shard-*.safetensors")}
+
+    cfg = compose_config("medusa", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", f"data.features={out}", "trainer=debug", "trainer.batch_size=16", "logger=csv",
+        "method.num_heads=2", f"output_dir={tmp_path / 'run'}"])
+    summary = train(cfg)
+    assert summary["steps"] == 3
+    _, _, _, meta = load_drafter(summary["drafter_dir"], verifier_fingerprint=manifest["verifier"]["fingerprint"])
+    assert meta["verifier_name"] == "tiny"
+
+
+def test_incomplete_features_are_refused(features, tmp_path):
+    out, _, _ = features
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(DraftsmithError, match="incomplete"):
+        read_manifest(out)
+    with pytest.raises(DraftsmithError, match="no manifest.json"):
+        read_manifest(tmp_path / "nowhere")

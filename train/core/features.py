@@ -1,0 +1,139 @@
+"""Offline verifier features: run the frozen verifier once, train many epochs without it.
+
+Layout written by scripts/prepare_features.py:
+
+    <dir>/manifest.json                  verifier name + fingerprint, dtype, hidden size, counts
+    <dir>/<split>/shard-00000.safetensors
+        input_ids (N,) int64, labels (N,) int64   N = tokens of the shard's examples, concatenated
+        offsets (n+1,) int64                      example i is [offsets[i], offsets[i+1])
+        hidden (N, H) <dtype>                     the verifier's final normed hidden state
+
+Shards are read with safetensors' lazy slices, so an epoch touches only the rows it uses.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import DataLoader, Dataset
+
+from models.errors import DraftsmithError
+from models.verifier import DTYPES, resolve_path
+from train.core.data import LengthBucketBatchSampler, collate_batch
+
+MANIFEST = "manifest.json"
+
+
+def bytes_per_1k_tokens(hidden_size: int, dtype: torch.dtype) -> int:
+    """Disk cost of 1,000 tokens: the hidden row plus input id and label (int64 each)."""
+    return 1000 * (hidden_size * torch.finfo(dtype).bits // 8 + 16)
+
+
+def read_manifest(features_dir: str | Path) -> dict:
+    path = Path(features_dir) / MANIFEST
+    if not path.is_file():
+        raise DraftsmithError(f"data.features={features_dir}: no {MANIFEST}; write it with "
+                              f"python scripts/prepare_features.py (an interrupted run resumes)")
+    manifest = json.loads(path.read_text())
+    if not manifest.get("complete"):
+        raise DraftsmithError(f"data.features={features_dir} is incomplete; rerun scripts/prepare_features.py "
+                              f"with the same arguments to finish it")
+    return manifest
+
+
+class FeatureDataset(Dataset):
+    """Examples of one split: {input_ids, labels, hidden (T, H)}; `lengths` for bucketing."""
+
+    def __init__(self, features_dir: str | Path, split: str):
+        self.shards = sorted((Path(features_dir) / split).glob("shard-*.safetensors"))
+        self.index: list[tuple[int, int, int]] = []  # (shard, start, end) per example
+        for s, path in enumerate(self.shards):
+            with safe_open(str(path), framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+            self.index += [(s, a, b) for a, b in zip(offsets[:-1], offsets[1:])]
+        self.lengths = [b - a for _, a, b in self.index]
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _shard(self, s: int):
+        if s not in self._open:
+            self._open[s] = safe_open(str(self.shards[s]), framework="pt")
+        return self._open[s]
+
+    def __getitem__(self, i: int) -> dict:
+        s, a, b = self.index[i]
+        f = self._shard(s)
+        return {"input_ids": f.get_slice("input_ids")[a:b], "labels": f.get_slice("labels")[a:b],
+                "hidden": f.get_slice("hidden")[a:b]}  # (T,), (T,), (T, H)
+
+    def __getstate__(self):  # DataLoader workers reopen the shards themselves
+        return {**self.__dict__, "_open": {}}
+
+
+def collate_features(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """collate_batch for the ids plus `hidden` zero-padded to (B, T, H)."""
+    batch = collate_batch(examples, pad_id)
+    T = batch["input_ids"].shape[1]
+    hidden = examples[0]["hidden"]
+    out = hidden.new_zeros((len(examples), T, hidden.shape[-1]))  # (B, T, H)
+    for b, ex in enumerate(examples):
+        out[b, : ex["hidden"].shape[0]] = ex["hidden"]
+    batch["hidden"] = out
+    return batch
+
+
+def make_feature_dataloader(ds: FeatureDataset, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
+    sampler = LengthBucketBatchSampler(ds.lengths, batch_size, shuffle=shuffle, seed=seed)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=collate_features)
+
+
+def load_lm_head(model_cfg, hidden_size: int, vocab_size: int) -> torch.nn.Linear:
+    """Only the verifier's output projection, read from its safetensors (tied: the embedding)."""
+    folder = resolve_path(model_cfg)
+    if not isinstance(folder, Path):
+        raise DraftsmithError(f"model={model_cfg.name}: offline features need the verifier's lm_head from a "
+                              f"local folder; pass model.path=/path/to/local/hf/folder")
+    weight = None
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            for key in ("lm_head.weight", "model.embed_tokens.weight"):
+                if key in keys and (weight is None or key == "lm_head.weight"):
+                    weight = f.get_tensor(key)
+    if weight is None or tuple(weight.shape) != (vocab_size, hidden_size):
+        raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) lm_head or tied "
+                              f"embedding in {folder}")
+    head = torch.nn.Linear(hidden_size, vocab_size, bias=False, dtype=DTYPES[model_cfg.get("dtype", "float32")])
+    head.weight.data.copy_(weight)
+    return head.requires_grad_(False)
+
+
+@dataclass
+class OfflineVerifier:
+    """What a trainer needs of the verifier when features come from disk: no transformer body."""
+
+    lm_head: torch.nn.Linear
+    fingerprint: str
+    name: str
+    config: SimpleNamespace
+
+
+def offline_verifier(model_cfg, manifest: dict) -> OfflineVerifier:
+    h, v = manifest["hidden_size"], manifest["vocab_size"]
+    return OfflineVerifier(lm_head=load_lm_head(model_cfg, h, v), fingerprint=manifest["verifier"]["fingerprint"],
+                           name=manifest["verifier"]["name"], config=SimpleNamespace(hidden_size=h, vocab_size=v))
+
+
+def shard_tensors(examples: list[dict], hidden: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One shard's tensors from tokenized examples and their (T_i, H) hidden states."""
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    offsets = torch.tensor([0] + lengths).cumsum(0)  # (n+1,)
+    return {"input_ids": torch.tensor([t for ex in examples for t in ex["input_ids"]], dtype=torch.long),
+            "labels": torch.tensor([t for ex in examples for t in ex["labels"]], dtype=torch.long),
+            "offsets": offsets, "hidden": torch.cat(hidden).contiguous()}
