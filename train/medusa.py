@@ -122,13 +122,11 @@ def run(cfg: DictConfig) -> dict:
         verifier = offline_verifier(cfg.model, manifest)
         verifier.lm_head.to(accelerator.device)
         train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
-        claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
 
         def loader_for(ds, batch_size, shuffle, seed):
             return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed)
     else:  # online: the frozen verifier runs inside every step
         verifier = load_verifier(cfg.model, device=accelerator.device)
-        claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
         check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
         # Chat conversations -> assistant-only labels; a held-out split never trained on.
         train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
@@ -137,6 +135,7 @@ def run(cfg: DictConfig) -> dict:
 
         def loader_for(ds, batch_size, shuffle, seed):
             return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed)
+    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
     eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
