@@ -204,7 +204,7 @@ def run(cfg: DictConfig) -> dict:
             accelerator.log(log, step=step)
         if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
             metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay)
-            accelerator.log(metrics, step=step)
+            accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
             accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
             if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
                 best = {**metrics, "step": step}

@@ -1,0 +1,126 @@
+"""Training benchmark: tokens/s and peak RSS of Medusa-1, online vs offline features, 1 vs 2
+processes, and the time to reach a simulated acceptance length, measured in one run.
+
+    python scripts/bench_train.py                                   # SmolLM2, self-distilled data
+    python scripts/bench_train.py steps=60 target_tau=1.4 cases=[online,offline]
+
+Each case is a real `train/medusa.py` run in a subprocess (the 2-process case through
+`accelerate launch --config_file conf/accelerate/cpu-2proc.yaml`, per-process batch halved so
+the global batch is the same); peak RSS is the sum over the case's process tree, polled.
+Offline features are written once by scripts/prepare_features.py (its time is reported).
+Writes output_dir/bench_train.{json,md}.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import psutil
+from omegaconf import DictConfig
+
+from models.errors import exit_on_user_error
+from train.core.cli import check_cli_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GB over the process tree) of one command."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    parent = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            tree = [parent, *parent.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed: {proc.stderr.read()[-2000:]}")
+    return time.time() - t0, peak / 1e9
+
+
+def read_metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
+    rows: dict[str, list[tuple[int, float]]] = {}
+    with open(out / "metrics.csv") as f:
+        for r in csv.DictReader(f):
+            rows.setdefault(r["key"], []).append((int(r["step"]), float(r["value"])))
+    return rows
+
+
+def run(cfg: DictConfig) -> dict:
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    common = [f"model={cfg.verifier}", f"data={cfg.dataset}", f"trainer.max_steps={cfg.steps}",
+              f"trainer.eval_every={cfg.eval_every}", f"trainer.save_every={cfg.steps}", "trainer.resume=false",
+              f"method.lm_head={cfg.lm_head}", f"model.dtype={cfg.verifier_dtype}", "logger=csv", *cfg.overrides]
+    report = {"steps": cfg.steps, "batch_size": cfg.batch_size, "target_tau": cfg.target_tau, "cases": {},
+              "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
+    features = out_dir / "features"
+    if "offline" in cfg.cases:
+        seconds, rss = run_measured([sys.executable, "scripts/prepare_features.py", f"model={cfg.verifier}",
+                                     f"data={cfg.dataset}", f"model.dtype={cfg.verifier_dtype}",
+                                     f"dtype={cfg.feature_dtype}", f"output_dir={features}",
+                                     *[o for o in cfg.overrides if o.startswith(("model.", "data."))]], env)
+        report["prepare_features"] = {"seconds": seconds, "peak_rss_gb": rss}
+    launch2 = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "train/medusa.py"]
+    cases = {
+        "online": ([sys.executable, "train/medusa.py"], cfg.batch_size, [], {}),
+        "offline": ([sys.executable, "train/medusa.py"], cfg.batch_size, [f"data.features={features}"], {}),
+        "online-2proc": (launch2, cfg.batch_size // 2, [], {"ACCELERATE_USE_CPU": "1"}),
+    }
+    for name in cfg.cases:
+        launcher, batch, extra, extra_env = cases[name]
+        run_dir = out_dir / name
+        seconds, rss = run_measured([*launcher, *common, f"trainer.batch_size={batch}", *extra,
+                                     f"output_dir={run_dir}"], {**env, **extra_env})
+        metrics = read_metrics(run_dir)
+        tau = metrics.get("eval/simulated_tau", [])
+        elapsed = dict(metrics.get("time/elapsed_s", []))
+        reached = next((elapsed.get(s) for s, v in tau if v >= cfg.target_tau), None)
+        report["cases"][name] = {"tokens_per_s": metrics["train/tokens_per_s"][-1][1], "wall_s": seconds,
+                                 "peak_rss_gb": rss, "final_simulated_tau": tau[-1][1] if tau else None,
+                                 "seconds_to_target_tau": reached}
+    base = report["cases"].get("online", {}).get("tokens_per_s")
+    for case in report["cases"].values():
+        case["vs_online"] = case["tokens_per_s"] / base if base else None
+    (out_dir / "bench_train.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (out_dir / "bench_train.md").write_text(table + "\n")
+    print(table)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"{report['steps']} steps, global batch {report['batch_size']}, {report['cpus']} CPUs, "
+             f"load {report['load_avg_1m']:.1f}", ""]
+    if "prepare_features" in report:
+        p = report["prepare_features"]
+        lines += [f"prepare_features: {p['seconds']:.0f} s, peak RSS {p['peak_rss_gb']:.2f} GB", ""]
+    lines += [f"| case | train tokens/s | vs online | peak RSS GB | final simulated tau | s to tau >= {report['target_tau']} |",
+              "|---|---|---|---|---|---|"]
+    for name, c in report["cases"].items():
+        reached = "not reached" if c["seconds_to_target_tau"] is None else f"{c['seconds_to_target_tau']:.0f}"
+        lines.append(f"| {name} | {c['tokens_per_s']:.0f} | {c['vs_online']:.2f}x | {c['peak_rss_gb']:.2f} | "
+                     f"{c['final_simulated_tau']:.2f} | {reached} |")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf", config_name="bench_train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    check_cli_overrides("bench_train")
+    main()
