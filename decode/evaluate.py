@@ -17,7 +17,6 @@ import statistics
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -25,9 +24,9 @@ from tqdm.auto import tqdm
 from decode.engine import generate, summarize
 from decode.proposers import make_proposer
 from models.checkpoint import load_drafter
-from models.errors import DraftsmithError, choose, exit_on_user_error
+from models.errors import DraftsmithError, choose
 from models.verifier import load_verifier
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 from train.core.data import load_prompts
 
 
@@ -264,12 +263,5 @@ def plot(report: dict, out_dir: Path, method: str, max_depth: int) -> None:
               title=f"{method}: acceptance by depth")
 
 
-@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("evaluate")
-    main()
+    launch("evaluate", run)

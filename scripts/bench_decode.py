@@ -21,15 +21,13 @@ import statistics
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import DynamicCache
 
 from decode import evaluate
-from models.errors import exit_on_user_error
 from models.verifier import load_verifier
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 
 
 @torch.inference_mode()
@@ -122,12 +120,5 @@ def plot(report: dict, out_dir: Path) -> None:
                        title=f"verify cost on a {report['cache_len']}-token cache")
 
 
-@hydra.main(config_path="../conf", config_name="bench_decode", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("bench_decode")
-    main()
+    launch("bench_decode", run)

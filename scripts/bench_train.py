@@ -20,12 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import psutil
 from omegaconf import DictConfig
 
-from models.errors import exit_on_user_error
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,12 +113,5 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="bench_train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("bench_train")
-    main()
+    launch("bench_train", run)

@@ -18,14 +18,12 @@ import os
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from models.errors import exit_on_user_error
 from models.verifier import load_verifier
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 from train.core.data import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
 
 # Settings that change what the answers look like: a resumed run must match them.
@@ -205,12 +203,5 @@ def run(cfg: DictConfig) -> dict:
             "tokens_per_s": tok_s, "verifier": verifier.name, "fingerprint": verifier.fingerprint}
 
 
-@hydra.main(config_path="../conf", config_name="selfdistill", version_base=None)
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("selfdistill")
-    main()
+    launch("selfdistill", run)

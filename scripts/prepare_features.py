@@ -16,16 +16,15 @@ import os
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from models.errors import choose, exit_on_user_error
+from models.errors import choose
 from models.verifier import DTYPES, load_verifier
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 from train.core.data import collate_batch, load_conversations, split_heldout, tokenize_conversations
 from train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
 
@@ -83,12 +82,5 @@ def run(cfg: DictConfig) -> dict:
     return manifest
 
 
-@hydra.main(config_path="../conf", config_name="prepare", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("prepare")
-    main()
+    launch("prepare", run)

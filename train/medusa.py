@@ -15,19 +15,17 @@ import math
 import time
 from pathlib import Path
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from models.checkpoint import save_drafter
-from models.errors import exit_on_user_error
 from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
-from train.core.cli import check_cli_overrides
+from train.core.cli import launch
 from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
 from train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
@@ -235,12 +233,5 @@ def save_heads(cfg, accelerator, heads, config, verifier, metrics: dict, name: s
     return out
 
 
-@hydra.main(config_path="../conf", config_name="medusa", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        run(cfg)
-
-
 if __name__ == "__main__":
-    check_cli_overrides("medusa")
-    main()
+    launch("medusa", run)

@@ -44,3 +44,20 @@ def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None
     if problem:
         print(f"draftsmith: error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def launch(config_name: str, run) -> None:
+    """The `if __name__ == "__main__"` of every entry script: check the overrides, then let
+    Hydra compose conf/<config_name>.yaml and call run(cfg); bad input ends in one line."""
+    import hydra
+
+    from models.errors import exit_on_user_error
+
+    check_cli_overrides(config_name)
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        with exit_on_user_error():
+            run(cfg)
+
+    main()
