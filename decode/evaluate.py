@@ -208,8 +208,11 @@ def run(cfg: DictConfig) -> dict:
             report["methods"][name]["greedy_divergences_explained_by_ties"] = ties
             report["methods"][name]["greedy_divergences_unexplained"] = len(checks) - same - ties
             report["methods"][name]["greedy_checks"] = [c for c in checks if not c["identical"]]
-    report["per_category"] = {cat: {name: {"tau": summarize(outs)["tau"], "tokens_per_s": summarize(outs)["tokens_per_s"]}
-                                    for name, outs in by.items()} for cat, by in sorted(categories.items())}
+    report["per_category"] = {}
+    for cat, by_method in sorted(categories.items()):
+        stats = {name: summarize(outs) for name, outs in by_method.items()}
+        report["per_category"][cat] = {name: {"tau": st["tau"], "tokens_per_s": st["tokens_per_s"]}
+                                       for name, st in stats.items()}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     table = markdown_table(report)
     (out_dir / "results.md").write_text(table + "\n")

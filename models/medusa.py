@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.errors import DraftsmithError
+from models.errors import DraftsmithError, choose
 
 LM_HEAD_MODES = ("own", "shared")
 
@@ -29,8 +29,7 @@ class MedusaConfig:
     lm_head: str = "own"  # own | shared
 
     def __post_init__(self):
-        if self.lm_head not in LM_HEAD_MODES:
-            raise DraftsmithError(f"method.lm_head={self.lm_head!r} is not known; valid: {', '.join(LM_HEAD_MODES)}")
+        choose(dict.fromkeys(LM_HEAD_MODES), self.lm_head, "method.lm_head")
         if self.num_heads < 1 or self.num_layers < 0:
             raise DraftsmithError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
                              f"got {self.num_heads}, {self.num_layers}")
