@@ -80,6 +80,39 @@ class Verifier:
         out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         return out.last_hidden_state
 
+    def features(self, input_ids, attention_mask=None, layers=(), **kwargs) -> dict[str, torch.Tensor]:
+        """What drafters train on, from ONE decoder forward.
+
+        hidden (B, T, H): final normed hidden state (Medusa, EAGLE-1 target and input).
+        layer_hidden (B, T, L*H): outputs of decoder layers `layers` (0-based; -1 = last),
+          concatenated in that order (EAGLE-3's low/mid/high fusion input). HF convention: the
+          last layer's entry is after the final norm (= hidden); the others are before any norm.
+        """
+        layers = resolve_layers(layers, self.config.num_hidden_layers)
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                       output_hidden_states=bool(layers), **kwargs)
+        feats = {"hidden": out.last_hidden_state}
+        if layers:  # hidden_states[0] is the embedding output; layer i's output is [i + 1]
+            feats["layer_hidden"] = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+        return feats
+
+
+def resolve_layers(layers, num_layers: int) -> list[int]:
+    """Layer indices (negative from the end) -> sorted-as-given 0-based ints, checked."""
+    out = []
+    for i in layers or ():
+        j = int(i) + num_layers if int(i) < 0 else int(i)
+        if not 0 <= j < num_layers:
+            raise DraftsmithError(f"feature layer {i} does not exist: the verifier has {num_layers} layers "
+                                  f"(valid: 0..{num_layers - 1} or -1..-{num_layers})")
+        out.append(j)
+    return out
+
+
+def default_fusion_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high layers: 2, L//2, L-3 (as in the EAGLE-3 and SpecForge code)."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
 
 def cache_root(model_cfg=None) -> Path:
     """Where converted verifiers live: model.cache_dir, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
