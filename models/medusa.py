@@ -73,9 +73,16 @@ class MedusaHeads(nn.Module):
             raise ValueError("MedusaHeads(lm_head='shared') needs the verifier's lm_head at call time")
         return lm_head(features.to(lm_head.weight.dtype))  # the verifier may run in bf16
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
-                num_heads: int | None = None) -> torch.Tensor:
-        """hidden (..., H) -> logits (K, ..., V) of the first `num_heads` heads (default all)."""
+    def forward(self, hidden: torch.Tensor | list[torch.Tensor], lm_head: nn.Module | None = None,
+                num_heads: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """Logits of the first `num_heads` heads (default all).
+
+        hidden (..., H), read by every head (decoding) -> logits (K, ..., V); or a list of K
+        tensors (N_k, H), head k reading its own rows (training: each head only where its
+        target is supervised) -> a list of K logits (N_k, V). Training calls go through
+        forward so DDP / DeepSpeed see them (they sync gradients only for forward calls)."""
+        if isinstance(hidden, (list, tuple)):
+            return [self.project(self.head_features(h, k), k, lm_head) for k, h in enumerate(hidden)]
         k_max = self.config.num_heads if num_heads is None else num_heads
         feats = torch.stack([self.head_features(hidden, k) for k in range(k_max)])  # (K, ..., H)
         if self.config.lm_head == "shared":  # one projection call for all heads

@@ -7,6 +7,7 @@ and saves an HF safetensors folder in the cache dir, later loads read that folde
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -214,13 +215,27 @@ def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> 
                                                 "vocab_size", "num_attention_heads", "intermediate_size")}
     h.update(json.dumps(arch, sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // max_elems_per_tensor)
-        sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(name.encode())
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(sample.numpy().tobytes())
+        with _gathered(model, name, tensor) as tensor:
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // max_elems_per_tensor)
+            sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16)
+            h.update(name.encode())
+            h.update(str(tuple(tensor.shape)).encode())
+            h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _gathered(model: PreTrainedModel, name: str, tensor: torch.Tensor):
+    """The full tensor, gathering a ZeRO-3-partitioned parameter (loaded under zero.Init) first."""
+    param = dict(model.named_parameters()).get(name) if tensor.numel() == 0 else None
+    if param is None or not hasattr(param, "ds_id"):
+        yield tensor
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        yield param.data
 
 
 def apply_chat_template_setting(tokenizer, model_cfg) -> None:

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import load_verifier
-from train.core.accel import make_accelerator, make_optimizer, make_scheduler
+from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
 from train.core.cli import launch
 from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
@@ -42,29 +43,48 @@ def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return mask, target[mask]
 
 
-def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float):
+def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float, num_heads: int,
+                reduce_counts=None):
     """hidden (B, T, H) from the frozen verifier -> (loss, per-head stats).
 
     Logits are computed only at supervised positions: the V x H projection is the dominant
-    cost here, and prompt/padding positions carry no loss."""
-    heads_ = getattr(heads, "module", heads)  # unwrap DDP for the per-head calls
+    cost here, and prompt/padding positions carry no loss. CE is summed and divided by the
+    head's supervised-token count over ALL processes (`reduce_counts` sums a (K,) tensor
+    across them), times the process count that DDP/DeepSpeed average over: the gradient is
+    then the global token mean, the same for 1 or N processes."""
+    targets, rows = [], []
+    for k in range(num_heads):
+        mask, target = head_targets(labels, k)  # (B, T), (N_k,)
+        targets.append(target)
+        rows.append(hidden[mask])  # (N_k, H)
+    counts = torch.tensor([t.numel() for t in targets], dtype=torch.float64)  # (K,)
+    world = 1
+    if reduce_counts is not None:
+        counts, world = reduce_counts(counts)
+    logits = heads(rows, lm_head)  # K x (N_k, V): one forward call, which DDP/DeepSpeed track
     loss = hidden.new_zeros(())
     stats = {}
-    for k in range(heads_.config.num_heads):
-        mask, target = head_targets(labels, k)  # (B, T), (N,)
+    for k, (head_logits, target) in enumerate(zip(logits, targets)):
+        ce_sum = F.cross_entropy(head_logits.float(), target, reduction="sum")
+        loss = loss + (decay ** k) * ce_sum * (world / max(float(counts[k]), 1.0))
         if target.numel() == 0:
             continue
-        feats = heads_.head_features(hidden[mask], k)  # (N, H)
-        logits = heads_.project(feats, k, lm_head).float()  # (N, V)
-        ce = F.cross_entropy(logits, target)
-        loss = loss + (decay ** k) * ce
         with torch.no_grad():
-            top5 = logits.topk(5, dim=-1).indices  # (N, 5)
-            stats[f"head{k}/loss"] = ce.item()
+            top5 = head_logits.topk(5, dim=-1).indices  # (N_k, 5)
+            stats[f"head{k}/loss"] = ce_sum.item() / target.numel()
             stats[f"head{k}/top1_hits"] = (top5[:, 0] == target).sum().item()
             stats[f"head{k}/top5_hits"] = (top5 == target[:, None]).any(-1).sum().item()
             stats[f"head{k}/count"] = target.numel()
     return loss, stats
+
+
+def global_counts(accelerator):
+    """counts (K,) on this process -> (sum over processes, number of processes)."""
+    def reduce(counts: torch.Tensor):
+        if accelerator.num_processes == 1:
+            return counts, 1
+        return accelerator.reduce(counts.to(accelerator.device), "sum").cpu(), accelerator.num_processes
+    return reduce
 
 
 def simulated_tau(top1: list[float]) -> float:
@@ -86,21 +106,20 @@ def verifier_features(verifier, batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(verifier, heads, loader, accelerator, decay: float) -> dict:
+def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head) -> dict:
     heads.eval()
     totals: dict[str, float] = {}
     loss_sum, batches = 0.0, 0
     for batch in loader:
         hidden = verifier_features(verifier, batch)  # (B, T, H)
         with accelerator.autocast():
-            loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, decay)
+            loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, decay, num_heads)
         loss_sum, batches = loss_sum + loss.item(), batches + 1
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
     heads.train()
     totals = {k: accelerator.reduce(torch.tensor(v, device=accelerator.device), "sum").item()
               for k, v in sorted(totals.items())}
-    num_heads = getattr(heads, "module", heads).config.num_heads
     metrics = {"eval/loss": loss_sum / max(batches, 1)}
     top1 = []
     for k in range(num_heads):
@@ -118,27 +137,35 @@ def run(cfg: DictConfig) -> dict:
     if cfg.data.get("features"):  # offline: stored hidden states, only the lm_head is loaded
         manifest = read_manifest(cfg.data.features)
         verifier = offline_verifier(cfg.model, manifest)
-        verifier.lm_head.to(accelerator.device)
+        lm_head = verifier.lm_head.to(accelerator.device)
+        placement = "not loaded (offline features)"
         train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
 
-        def loader_for(ds, batch_size, shuffle, seed):
-            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed)
+        def loader_for(ds, batch_size, shuffle, seed, drop_last=False):
+            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     else:  # online: the frozen verifier runs inside every step
-        verifier = load_verifier(cfg.model, device=accelerator.device)
+        verifier = load_verifier(cfg.model)
+        # The heads need the verifier's lm_head as a whole matrix: a frozen copy, kept out of any sharding.
+        lm_head = full_copy(verifier.lm_head).to(accelerator.device) if zero_stage(accelerator) == 3 or \
+            accelerator.distributed_type == DistributedType.FSDP else None
+        placement = place_frozen(accelerator, verifier.model)
+        lm_head = lm_head if lm_head is not None else verifier.lm_head
         check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
         # Chat conversations -> assistant-only labels; a held-out split never trained on.
         train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
         train_ds = tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length)
         eval_ds = tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)
 
-        def loader_for(ds, batch_size, shuffle, seed):
-            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed)
+        def loader_for(ds, batch_size, shuffle, seed, drop_last=False):
+            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed,
+                                   drop_last=drop_last)
     claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
     eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
                           num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head)
-    heads = MedusaHeads(config, verifier.lm_head).to(accelerator.device)
+    heads = MedusaHeads(config, lm_head).to(accelerator.device)
+    trainable = sum(p.numel() for p in heads.parameters())  # before prepare: ZeRO-3 partitions them
     optimizer = make_optimizer([{"params": list(heads.parameters())}], tcfg)
     scheduler = make_scheduler(optimizer, tcfg)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
@@ -152,19 +179,22 @@ def run(cfg: DictConfig) -> dict:
         accelerator.print(f"resuming from {ckpt} at step {step}")
 
     def epoch_loader(epoch: int):
-        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch))
+        # split_batches: only full global batches, so every process count cuts the same batches the same way
+        # (accelerate would otherwise move a short last batch to the end and pad it with repeats).
+        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch,
+                                              drop_last=bool(tcfg.split_batches)))
 
-    # A prepared loader yields ceil(batches / processes) batches per process.
-    raw_batches = len(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed))
-    batches_per_epoch = math.ceil(raw_batches / accelerator.num_processes)
+    # Batches per process per epoch: ceil(batches / processes), or all of them (halved) with split_batches.
+    batches_per_epoch = len(epoch_loader(0))
     micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
     epoch, offset = divmod(micro, batches_per_epoch)
     loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)
     batches = iter(loader)
 
-    accelerator.print(f"medusa: {config.num_heads} heads ({sum(p.numel() for p in heads.parameters()):,} "
+    accelerator.print(f"medusa: {config.num_heads} heads ({trainable:,} "
                       f"trainable params), {len(train_ds)} train / {len(eval_ds)} held-out conversations, "
-                      f"{batches_per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}]")
+                      f"{batches_per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}] "
+                      f"{placement}")
     metrics: dict = {}
     best = {"eval/simulated_tau": -math.inf}
     if step and (Path(cfg.output_dir) / "best" / "meta.json").is_file():  # keep the best across resumes
@@ -184,14 +214,15 @@ def run(cfg: DictConfig) -> dict:
                 # The loss step: frozen verifier features, then the heads' weighted CE.
                 hidden = verifier_features(verifier, batch)  # (B, T, H) frozen, fp32
                 with accelerator.autocast():
-                    loss, stats = medusa_loss(heads, hidden, batch["labels"], verifier.lm_head, mcfg.decay)
+                    loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, mcfg.decay,
+                                              config.num_heads, global_counts(accelerator))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and tcfg.max_grad_norm:
                     accelerator.clip_grad_norm_(heads.parameters(), tcfg.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             tokens += int(batch["attention_mask"].sum())
+        scheduler.step()  # once per optimizer step, whatever the process count
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -201,7 +232,7 @@ def run(cfg: DictConfig) -> dict:
             log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
             accelerator.log(log, step=step)
         if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay)
+            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads, lm_head)
             accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
             accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
             if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
@@ -224,8 +255,11 @@ def run(cfg: DictConfig) -> dict:
 
 def save_heads(cfg, accelerator, heads, config, verifier, metrics: dict, name: str):
     out = f"{cfg.output_dir}/{name}"
+    state = accelerator.get_state_dict(heads)  # every process: ZeRO-3 gathers the shards here
     if accelerator.is_main_process:
-        save_drafter(out, "medusa", accelerator.unwrap_model(heads), config,
+        module = MedusaHeads(config)
+        module.load_state_dict(state)
+        save_drafter(out, "medusa", module, config,
                      verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
                      meta={"method": cfg.method.name, "metrics": metrics},
                      resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))

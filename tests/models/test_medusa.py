@@ -54,7 +54,7 @@ def test_medusa_loss_matches_a_direct_computation():
     labels = ids.clone()
     labels[:, :3] = -100
     hidden = model.model(input_ids=ids).last_hidden_state
-    loss, stats = medusa_loss(heads, hidden, labels, model.get_output_embeddings(), decay=0.8)
+    loss, stats = medusa_loss(heads, hidden, labels, model.get_output_embeddings(), decay=0.8, num_heads=2)
     expected = 0.0
     for k in range(2):
         logits = heads(hidden)[k]  # (B, T, V)
@@ -65,6 +65,30 @@ def test_medusa_loss_matches_a_direct_computation():
     assert stats["head0/count"] == 2 * 6 and stats["head1/count"] == 2 * 6  # labels start at 3
     loss.backward()
     assert heads.blocks[0][0].linear.weight.grad.abs().sum() > 0
+
+
+def test_medusa_loss_split_over_processes_averages_to_the_full_batch_loss():
+    """What DDP does: each process's loss, normalised by the GLOBAL token count times the
+    process count, averaged over processes, equals the 1-process loss of the whole batch,
+    even when the processes hold different numbers of supervised tokens."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    heads = _heads(model, "own", k=3)
+    for p in heads.parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    ids = torch.randint(0, 128, (4, 11))
+    labels = ids.clone()
+    labels[:2, :7] = -100  # the first half has far fewer supervised tokens
+    labels[2:, :2] = -100
+    hidden = model.model(input_ids=ids).last_hidden_state
+    lm_head = model.get_output_embeddings()
+    full, _ = medusa_loss(heads, hidden, labels, lm_head, 0.8, 3)
+    halves = [(hidden[:2], labels[:2]), (hidden[2:], labels[2:])]
+    counts = sum(torch.tensor([float(head_targets(lab, k)[1].numel()) for k in range(3)]) for _, lab in halves)
+    parts = [medusa_loss(heads, h, lab, lm_head, 0.8, 3, reduce_counts=lambda c: (counts, 2))[0] for h, lab in halves]
+    torch.testing.assert_close((parts[0] + parts[1]) / 2, full)
+    naive = [medusa_loss(heads, h, lab, lm_head, 0.8, 3)[0] for h, lab in halves]  # per-process means
+    assert abs(((naive[0] + naive[1]) / 2 - full).item()) > 1e-3
 
 
 def test_simulated_tau():

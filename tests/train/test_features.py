@@ -45,8 +45,8 @@ def test_online_and_offline_give_the_same_loss(features, tiny_model_dir):
     for p in heads.parameters():
         p.data += 0.05 * torch.randn_like(p)
     online_hidden = verifier.hidden_states(batch["input_ids"], batch["attention_mask"])
-    online, _ = medusa_loss(heads, online_hidden, batch["labels"], verifier.lm_head, 0.8)
-    offline, _ = medusa_loss(heads, batch["hidden"], batch["labels"], verifier.lm_head, 0.8)
+    online, _ = medusa_loss(heads, online_hidden, batch["labels"], verifier.lm_head, 0.8, 2)
+    offline, _ = medusa_loss(heads, batch["hidden"], batch["labels"], verifier.lm_head, 0.8, 2)
     torch.testing.assert_close(offline, online, rtol=1e-6, atol=1e-6)
 
 

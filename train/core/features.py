@@ -7,6 +7,11 @@ Layout written by scripts/prepare_features.py:
         input_ids (N,) int64, labels (N,) int64   N = tokens of the shard's examples, concatenated
         offsets (n+1,) int64                      example i is [offsets[i], offsets[i+1])
         hidden (N, H) <dtype>                     the verifier's final normed hidden state
+        layer_hidden (N, L*H) <dtype>             only with layers=[...]: those layers' outputs,
+                                                  concatenated (EAGLE-3 fusion input)
+        topk_values (N, k) <dtype>, topk_indices (N, k) int32
+                                                  only with topk=k: the verifier's k largest
+                                                  next-token logits (soft distillation targets)
 
 Shards are read with safetensors' lazy slices, so an epoch touches only the rows it uses.
 """
@@ -28,9 +33,13 @@ from train.core.data import LengthBucketBatchSampler, collate_batch
 MANIFEST = "manifest.json"
 
 
-def bytes_per_1k_tokens(hidden_size: int, dtype: torch.dtype) -> int:
-    """Disk cost of 1,000 tokens: the hidden row plus input id and label (int64 each)."""
-    return 1000 * (hidden_size * torch.finfo(dtype).bits // 8 + 16)
+FEATURE_KEYS = ("hidden", "layer_hidden", "topk_values", "topk_indices")  # per-token rows, padded by collate
+
+
+def bytes_per_1k_tokens(hidden_size: int, dtype: torch.dtype, num_layers: int = 0, topk: int = 0) -> int:
+    """Disk cost of 1,000 tokens: hidden (+ layer) rows, top-k logits, input id and label."""
+    width = torch.finfo(dtype).bits // 8
+    return 1000 * ((1 + num_layers) * hidden_size * width + topk * (width + 4) + 16)
 
 
 def read_manifest(features_dir: str | Path) -> dict:
@@ -46,14 +55,17 @@ def read_manifest(features_dir: str | Path) -> dict:
 
 
 class FeatureDataset(Dataset):
-    """Examples of one split: {input_ids, labels, hidden (T, H)}; `lengths` for bucketing."""
+    """Examples of one split: {input_ids, labels, hidden (T, H)} plus `layer_hidden` (T, L*H)
+    and `topk_values`/`topk_indices` (T, k) when the features hold them; `lengths` for bucketing."""
 
     def __init__(self, features_dir: str | Path, split: str):
         self.shards = sorted((Path(features_dir) / split).glob("shard-*.safetensors"))
         self.index: list[tuple[int, int, int]] = []  # (shard, start, end) per example
+        self.keys: tuple[str, ...] = ()
         for s, path in enumerate(self.shards):
             with safe_open(str(path), framework="pt") as f:
                 offsets = f.get_tensor("offsets").tolist()
+                self.keys = tuple(k for k in FEATURE_KEYS if k in f.keys())
             self.index += [(s, a, b) for a, b in zip(offsets[:-1], offsets[1:])]
         self.lengths = [b - a for _, a, b in self.index]
         self._open: dict[int, object] = {}
@@ -69,27 +81,32 @@ class FeatureDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         s, a, b = self.index[i]
         f = self._shard(s)
-        return {"input_ids": f.get_slice("input_ids")[a:b], "labels": f.get_slice("labels")[a:b],
-                "hidden": f.get_slice("hidden")[a:b]}  # (T,), (T,), (T, H)
+        example = {"input_ids": f.get_slice("input_ids")[a:b], "labels": f.get_slice("labels")[a:b]}  # (T,)
+        example.update({key: f.get_slice(key)[a:b] for key in self.keys})  # (T, ...)
+        return example
 
     def __getstate__(self):  # DataLoader workers reopen the shards themselves
         return {**self.__dict__, "_open": {}}
 
 
 def collate_features(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """collate_batch for the ids plus `hidden` zero-padded to (B, T, H)."""
+    """collate_batch for the ids plus every feature row zero-padded to (B, T, ...)."""
     batch = collate_batch(examples, pad_id)
     T = batch["input_ids"].shape[1]
-    hidden = examples[0]["hidden"]
-    out = hidden.new_zeros((len(examples), T, hidden.shape[-1]))  # (B, T, H)
-    for b, ex in enumerate(examples):
-        out[b, : ex["hidden"].shape[0]] = ex["hidden"]
-    batch["hidden"] = out
+    for key in FEATURE_KEYS:
+        if key not in examples[0]:
+            continue
+        first = examples[0][key]
+        out = first.new_zeros((len(examples), T, *first.shape[1:]))  # (B, T, ...)
+        for b, ex in enumerate(examples):
+            out[b, : ex[key].shape[0]] = ex[key]
+        batch[key] = out
     return batch
 
 
-def make_feature_dataloader(ds: FeatureDataset, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
-    sampler = LengthBucketBatchSampler(ds.lengths, batch_size, shuffle=shuffle, seed=seed)
+def make_feature_dataloader(ds: FeatureDataset, batch_size: int, shuffle: bool, seed: int,
+                            drop_last: bool = False) -> DataLoader:
+    sampler = LengthBucketBatchSampler(ds.lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(ds, batch_sampler=sampler, collate_fn=collate_features)
 
 
@@ -130,10 +147,13 @@ def offline_verifier(model_cfg, manifest: dict) -> OfflineVerifier:
                            name=manifest["verifier"]["name"], config=SimpleNamespace(hidden_size=h, vocab_size=v))
 
 
-def shard_tensors(examples: list[dict], hidden: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One shard's tensors from tokenized examples and their (T_i, H) hidden states."""
+def shard_tensors(examples: list[dict], features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One shard's tensors from tokenized examples and their per-token features ({key: (T_i, ...)})."""
     lengths = [len(ex["input_ids"]) for ex in examples]
     offsets = torch.tensor([0] + lengths).cumsum(0)  # (n+1,)
-    return {"input_ids": torch.tensor([t for ex in examples for t in ex["input_ids"]], dtype=torch.long),
-            "labels": torch.tensor([t for ex in examples for t in ex["labels"]], dtype=torch.long),
-            "offsets": offsets, "hidden": torch.cat(hidden).contiguous()}
+    out = {"input_ids": torch.tensor([t for ex in examples for t in ex["input_ids"]], dtype=torch.long),
+           "labels": torch.tensor([t for ex in examples for t in ex["labels"]], dtype=torch.long),
+           "offsets": offsets}
+    for key in features[0]:
+        out[key] = torch.cat([f[key] for f in features]).contiguous()  # (N, ...)
+    return out
