@@ -1,4 +1,5 @@
 """Multi-process training on CPU (DDP over gloo), launched the way users launch it."""
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -80,3 +81,58 @@ def test_two_processes_train_the_same_heads_as_one(one_process_heads, tiny_model
         torch.testing.assert_close(heads[name], ref, rtol=1e-4, atol=1e-5, msg=name)
     _, _, _, meta = load_drafter(out / "final")
     assert meta["metrics"]["step"] == 6
+
+
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+def test_fsdp_shards_the_frozen_verifier_and_keeps_its_outputs(tmp_path, tied):
+    """FSDP2 on 2 gloo processes: each holds part of the verifier, hidden states are unchanged.
+    (accelerate's FSDP launch needs GPUs; this runs the same shard_fsdp under torchrun.)"""
+    out = tmp_path / "fsdp.json"
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", "29535", "-m", "tests.train.fsdp_worker",
+           str(out), tied]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["how"] == "FSDP-sharded (3 layers) over 2 processes"
+    assert result["local"] < 0.6 * result["total"]
+    assert result["max_diff"] == 0.0 and result["lm_head_is_plain"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_launch_config_loads_and_names_itself(path):
+    """Each launch config parses with accelerate's own loader, shows its launch command, and
+    any DeepSpeed file it names exists and leaves the batch fields to trainer.* ("auto")."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert f"--config_file conf/accelerate/{path.name}" in path.read_text().splitlines()[0] + \
+        path.read_text().splitlines()[1]
+    ds_file = (config.deepspeed_config or {}).get("deepspeed_config_file")
+    if ds_file:
+        ds = json.loads((ROOT / ds_file).read_text())
+        assert all(ds[k] == "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                             "train_batch_size", "gradient_clipping"))
+        assert "mixed_precision" not in path.read_text()  # accelerate refuses it beside a DeepSpeed file
+
+
+def test_deepspeed_batch_fields_come_from_the_trainer_config():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from models.errors import DraftsmithError
+    from train.core.accel import fill_deepspeed_config
+
+    def acc(ds):
+        return SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+            deepspeed_config=ds)))
+
+    trainer = OmegaConf.create({"batch_size": 8, "split_batches": True, "grad_accum": 3, "max_grad_norm": 1.0})
+    a = acc({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"})
+    fill_deepspeed_config(a, trainer)
+    assert a.state.deepspeed_plugin.deepspeed_config == {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "train_batch_size": 24,
+        "gradient_clipping": 1.0}
+    with pytest.raises(DraftsmithError, match="sets train_micro_batch_size_per_gpu=16 but the trainer config means 4"):
+        fill_deepspeed_config(acc({"train_micro_batch_size_per_gpu": 16}), trainer)

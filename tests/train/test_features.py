@@ -73,3 +73,33 @@ def test_incomplete_features_are_refused(features, tmp_path):
         read_manifest(out)
     with pytest.raises(DraftsmithError, match="no manifest.json"):
         read_manifest(tmp_path / "nowhere")
+
+
+def test_layer_features_and_topk_logits(tiny_model_dir, tmp_path):
+    """EAGLE-3 layers and the verifier's top-k logits, stored next to the final hidden state,
+    equal what the verifier computes online for the same conversation."""
+    out = tmp_path / "features"
+    cfg = compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "dtype=float32", "shard_size=4", "layers=[0,-1]", "topk=5", f"output_dir={out}"])
+    manifest = prepare(cfg)
+    assert manifest["layers"] == [0, 1] and manifest["topk"] == 5
+    assert manifest["bytes_per_1k_tokens"] == 1000 * (3 * 32 * 4 + 5 * (4 + 4) + 16)
+    ds = FeatureDataset(out, "train")
+    batch = collate_features([ds[i] for i in range(3)])
+    B, T = batch["input_ids"].shape
+    assert batch["layer_hidden"].shape == (B, T, 64) and batch["topk_indices"].shape == (B, T, 5)
+    verifier = load_verifier(OmegaConf.create(cfg.model))
+    example = ds[0]
+    ids = example["input_ids"][None]
+    online = verifier.features(ids, layers=[0, 1])
+    torch.testing.assert_close(example["hidden"], online["hidden"][0])
+    torch.testing.assert_close(example["layer_hidden"], online["layer_hidden"][0])
+    values, indices = verifier.lm_head(online["hidden"][0]).topk(5, dim=-1)
+    torch.testing.assert_close(example["topk_values"], values)
+    assert torch.equal(example["topk_indices"].long(), indices)
+    with pytest.raises(DraftsmithError, match="holds features written with"):  # no mixing in one folder
+        prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+            "data=tiny", "dtype=float32", "shard_size=4", f"output_dir={out}"]))
+    with pytest.raises(DraftsmithError, match="feature layer 7 does not exist"):
+        prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+            "data=tiny", "layers=[7]", f"output_dir={tmp_path / 'bad'}"]))

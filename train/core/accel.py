@@ -123,14 +123,18 @@ def full_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def shard_fsdp(model: torch.nn.Module) -> str:
-    """FSDP2: shard each decoder layer, then the rest, across the default process group."""
+    """FSDP2: shard each decoder layer, the decoder (embeddings, norm), the lm_head and the root
+    across the default process group. Each is its own unit, so calling the decoder or the lm_head
+    directly (as trainers do) gathers just what that call needs."""
     from torch.distributed.fsdp import fully_shard
 
-    layers = model.get_decoder().layers
-    for layer in layers:
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
         fully_shard(layer)
+    fully_shard(decoder)
+    fully_shard(model.get_output_embeddings())
     fully_shard(model)
-    return f"FSDP-sharded ({len(layers)} layers) over {torch.distributed.get_world_size()} processes"
+    return f"FSDP-sharded ({len(decoder.layers)} layers) over {torch.distributed.get_world_size()} processes"
 
 
 def make_optimizer(param_groups, trainer_cfg) -> torch.optim.Optimizer:
