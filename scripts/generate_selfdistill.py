@@ -3,18 +3,23 @@ distribution they must match (also the re-training path after a verifier fine-tu
 
     python scripts/generate_selfdistill.py                                  # chit-chat prompts
     python scripts/generate_selfdistill.py data@data.prompts=mtbench num_prompts=80
+    accelerate launch --num_processes 8 scripts/generate_selfdistill.py     # prompts split over 8 GPUs
+    python scripts/generate_selfdistill.py backend=vllm vllm.tensor_parallel_size=4   # vLLM (GPU)
     python train/medusa.py data=selfdistill                                 # train on the result
 
 Writes `output_dir/records.jsonl` ({"id", "category", "messages", "finish"} per line, appended
 and fsynced after every batch) and `output_dir/manifest.json` (verifier name + fingerprint,
 generation settings, counts). Rerunning the same command resumes: ids already in
-records.jsonl are skipped and a torn last line is dropped. The folder loads with
+records.jsonl are skipped and a torn last line is dropped. With N processes each writes
+`parts/records.<rank>.jsonl`; process 0 merges them into records.jsonl at the end (an
+interrupted run resumes from the parts, with any process count). The folder loads with
 `load_conversations({source: local, path: output_dir})`.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -22,9 +27,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from models.errors import choose
 from models.verifier import load_verifier
+from train.core.accel import process_state
 from train.core.cli import launch
 from train.core.data import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
+
+BACKENDS = {"transformers": "transformers", "vllm": "vllm"}
+PARTS_DIR = "parts"  # per-process records of a multi-process run, merged into records.jsonl at the end
 
 # Settings that change what the answers look like: a resumed run must match them.
 RESUME_KEYS = ("verifier_fingerprint", "dtype", "prompts", "max_new_tokens", "temperature", "top_p")
@@ -136,15 +146,68 @@ def generate_answers(verifier, prompt_ids: list[list[int]], cfg: DictConfig) -> 
     return answers
 
 
+def generate_vllm(cfg: DictConfig, verifier):
+    """A `generate(prompt_ids) -> answers` backed by vLLM (GPU machines; one process, vLLM batches
+    and shards internally: vllm.tensor_parallel_size for big verifiers)."""
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        raise DataError("backend=vllm needs vLLM on a GPU machine: pip install vllm (or use backend=transformers)") \
+            from None
+    llm = LLM(model=verifier.path, tokenizer=verifier.path, dtype=str(cfg.model.get("dtype", "auto")),
+              seed=int(cfg.seed), tensor_parallel_size=int(cfg.vllm.tensor_parallel_size),
+              gpu_memory_utilization=float(cfg.vllm.gpu_memory_utilization))
+    eos_ids = end_token_ids(verifier)
+    params = SamplingParams(max_tokens=int(cfg.max_new_tokens), temperature=float(cfg.temperature),
+                            top_p=float(cfg.top_p) if float(cfg.temperature) > 0 else 1.0,
+                            stop_token_ids=eos_ids, seed=int(cfg.seed))
+
+    def generate(prompt_ids: list[list[int]]) -> list[tuple[str, str, int]]:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        answers = []
+        for out in outs:
+            done = out.outputs[0]
+            kept = [t for t in done.token_ids if t not in eos_ids]
+            answers.append((verifier.tokenizer.decode(kept, skip_special_tokens=True),
+                            "length" if done.finish_reason == "length" else "stop", len(kept)))
+        return answers
+
+    return generate
+
+
+def records_files(out_dir: Path) -> list[Path]:
+    """records.jsonl plus the per-process parts of an unfinished multi-process run."""
+    return [out_dir / RECORDS_FILE] + sorted((out_dir / PARTS_DIR).glob("records.*.jsonl"))
+
+
+def merge_parts(out_dir: Path) -> None:
+    """Append every process's part file to records.jsonl (skipping ids already there), then
+    delete the parts: the folder then looks exactly like a 1-process run's."""
+    records_path = out_dir / RECORDS_FILE
+    done = read_done_ids(records_path)
+    with open(records_path, "a", encoding="utf-8") as f:
+        for part in sorted((out_dir / PARTS_DIR).glob("records.*.jsonl")):
+            for line in part.read_text(encoding="utf-8").splitlines():
+                if line.strip() and str(json.loads(line)["id"]) not in done:
+                    f.write(line + "\n")
+                    done.add(str(json.loads(line)["id"]))
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)
+
+
 def run(cfg: DictConfig) -> dict:
+    state = process_state()  # 1 process, or one per `accelerate launch` / torchrun rank
+    backend = choose(BACKENDS, cfg.backend, "backend")
+    if backend == "vllm" and state.num_processes > 1:
+        raise DataError("backend=vllm runs as ONE process (vLLM batches and shards itself); "
+                        "launch with python, not accelerate launch")
     out_dir = Path(str(cfg.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    records_path = out_dir / RECORDS_FILE
     prompts_cfg = prompt_config(cfg)
     prompts = load_prompts(prompts_cfg)  # fail on a bad prompt source before loading the model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    verifier = load_verifier(cfg.model, device=device)
+    verifier = load_verifier(cfg.model, device="cpu" if backend == "vllm" else state.device)
     settings = {
         "verifier_fingerprint": verifier.fingerprint,
         "dtype": str(cfg.model.get("dtype", "float32")),
@@ -156,11 +219,17 @@ def run(cfg: DictConfig) -> dict:
         "batch_size": int(cfg.batch_size),
     }
     check_resume(out_dir, settings)
-    done = read_done_ids(records_path)
+    # Process 0 repairs torn tails first; then every process reads the same set of done ids.
+    if state.is_main_process:
+        for path in records_files(out_dir):
+            read_done_ids(path)
+    state.wait_for_everyone()
+    done = set().union(*(read_done_ids(path) for path in records_files(out_dir)))
     todo = [p for p in prompts if p["id"] not in done]
     counts = {"prompts": len(prompts), "resumed": len(done), "generated": 0, "truncated": 0,
-              "records": len(done)}
-    write_manifest(out_dir, verifier, settings, counts, complete=False)
+              "records": len(done), "processes": state.num_processes}
+    if state.is_main_process:
+        write_manifest(out_dir, verifier, settings, counts, complete=False)
 
     # Longest prompts first: batches of similar length waste little padding, and a memory
     # problem shows up in the first batch.
@@ -168,18 +237,26 @@ def run(cfg: DictConfig) -> dict:
     encoded = [(p, tokenizer(render(tokenizer, p["messages"], add_generation_prompt=True),
                              add_special_tokens=False)["input_ids"]) for p in todo]
     long = [p["id"] for p, ids in encoded if len(ids) > int(cfg.max_prompt_tokens)]
-    if long:  # a single very long prompt would pad its whole batch (and rarely fits data.max_length)
+    if long and state.is_main_process:  # one very long prompt would pad its whole batch
         print(f"selfdistill: skipping {len(long)} prompts longer than max_prompt_tokens={cfg.max_prompt_tokens}")
-        encoded = [(p, ids) for p, ids in encoded if len(ids) <= int(cfg.max_prompt_tokens)]
+    encoded = [(p, ids) for p, ids in encoded if len(ids) <= int(cfg.max_prompt_tokens)]
     counts["skipped_long"] = len(long)
     encoded.sort(key=lambda pair: -len(pair[1]))
-    torch.manual_seed(int(cfg.seed))
+    encoded = encoded[state.process_index::state.num_processes]  # strided: every process gets long and short
+    if state.num_processes == 1:
+        mine = out_dir / RECORDS_FILE
+    else:
+        (out_dir / PARTS_DIR).mkdir(exist_ok=True)
+        mine = out_dir / PARTS_DIR / f"records.{state.process_index}.jsonl"
+    generate = generate_vllm(cfg, verifier) if backend == "vllm" else \
+        (lambda prompt_ids: generate_answers(verifier, prompt_ids, cfg))
+    torch.manual_seed(int(cfg.seed) + state.process_index)
     new_tokens, t0 = 0, time.time()
-    with open(records_path, "a", encoding="utf-8") as f, \
-            tqdm(total=len(encoded), desc="selfdistill", unit="prompt") as bar:
+    with open(mine, "a", encoding="utf-8") as f, \
+            tqdm(total=len(encoded), desc="selfdistill", unit="prompt", disable=not state.is_main_process) as bar:
         for start in range(0, len(encoded), int(cfg.batch_size)):
             batch = encoded[start:start + int(cfg.batch_size)]
-            answers = generate_answers(verifier, [ids for _, ids in batch], cfg)
+            answers = generate([ids for _, ids in batch])
             for (prompt, _), (text, finish, n_new) in zip(batch, answers):
                 record = {"id": prompt["id"], "category": prompt["category"],
                           "messages": prompt["messages"] + [{"role": "assistant", "content": text}],
@@ -190,15 +267,24 @@ def run(cfg: DictConfig) -> dict:
             f.flush()
             os.fsync(f.fileno())
             counts["generated"] += len(batch)
-            counts["records"] += len(batch)
             bar.update(len(batch))
     seconds = time.time() - t0
-    write_manifest(out_dir, verifier, settings, counts, complete=True)
     tok_s = new_tokens / seconds if seconds > 0 else 0.0
-    print(f"selfdistill: {counts['records']} records in {out_dir} ({counts['generated']} generated now, "
-          f"{counts['resumed']} resumed, {counts['truncated']} hit max_new_tokens={cfg.max_new_tokens}); "
-          f"{new_tokens} new tokens at {tok_s:.1f} tok/s; verifier {verifier.name} {verifier.fingerprint}",
-          flush=True)
+    print(f"selfdistill: process {state.process_index}/{state.num_processes}: {counts['generated']} answers, "
+          f"{new_tokens} new tokens at {tok_s:.1f} tok/s", flush=True)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if (out_dir / PARTS_DIR).is_dir():  # this run's parts, or an interrupted N-process run's
+            merge_parts(out_dir)
+        records = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
+                   if line.strip()]
+        counts.update(records=len(records), generated=len(records) - len(done),
+                      truncated=sum(r.get("finish") == "length" for r in records))
+        write_manifest(out_dir, verifier, settings, counts, complete=True)
+        print(f"selfdistill: {counts['records']} records in {out_dir} ({counts['generated']} generated now by "
+              f"{state.num_processes} process(es), {counts['resumed']} resumed, {counts['truncated']} hit "
+              f"max_new_tokens={cfg.max_new_tokens}); verifier {verifier.name} {verifier.fingerprint}", flush=True)
+    state.wait_for_everyone()
     return {"output_dir": str(out_dir), **counts, "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_s": tok_s, "verifier": verifier.name, "fingerprint": verifier.fingerprint}
 

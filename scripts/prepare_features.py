@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from models.errors import DraftsmithError, choose
 from models.verifier import DTYPES, load_verifier, resolve_layers
+from train.core.accel import process_state
 from train.core.cli import launch
 from train.core.data import collate_batch, load_conversations, split_heldout, tokenize_conversations
 from train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
@@ -41,7 +41,7 @@ def batch_features(verifier, input_ids, attention_mask, layers: list[int], topk:
     return feats
 
 
-def write_split(verifier, ds, out: Path, cfg, dtype, layers: list[int], state: PartialState) -> dict:
+def write_split(verifier, ds, out: Path, cfg, dtype, layers: list[int], state) -> dict:
     """Write one split's shards; shard i is done by process i % num_processes."""
     out.mkdir(parents=True, exist_ok=True)
     n_shards = (len(ds) + cfg.shard_size - 1) // cfg.shard_size
@@ -67,7 +67,7 @@ def write_split(verifier, ds, out: Path, cfg, dtype, layers: list[int], state: P
 
 
 def run(cfg: DictConfig) -> dict:
-    state = PartialState()
+    state = process_state()
     dtype = choose(DTYPES, cfg.dtype, "dtype")
     out = Path(cfg.output_dir)
     verifier = load_verifier(cfg.model, device=state.device)
@@ -77,7 +77,7 @@ def run(cfg: DictConfig) -> dict:
     train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
     splits = {"train": tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length),
               "eval": tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)}
-    check_resume(out, cfg, layers)
+    check_resume(out, cfg, layers, state)
     per_1k = bytes_per_1k_tokens(verifier.config.hidden_size, dtype, len(layers), int(cfg.topk))
     tokens = sum(int(sum(len(x) for x in ds["input_ids"])) for ds in splits.values())
     if state.is_main_process:
@@ -100,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
     return manifest
 
 
-def check_resume(out: Path, cfg, layers: list[int]) -> None:
+def check_resume(out: Path, cfg, layers: list[int], state) -> None:
     """Refuse to mix shards of different content (layers, top-k, dtype) in one folder."""
     settings = {"layers": layers, "topk": int(cfg.topk), "dtype": cfg.dtype}
     path = out / "settings.json"
@@ -109,10 +109,10 @@ def check_resume(out: Path, cfg, layers: list[int]) -> None:
         if old != settings:
             raise DraftsmithError(f"output_dir={out} holds features written with {old}, not {settings}; "
                                   f"pick another output_dir or delete that one")
-    elif PartialState().is_main_process:
+    elif state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(settings))
-    PartialState().wait_for_everyone()
+    state.wait_for_everyone()
 
 
 if __name__ == "__main__":

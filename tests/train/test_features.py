@@ -103,3 +103,27 @@ def test_layer_features_and_topk_logits(tiny_model_dir, tmp_path):
     with pytest.raises(DraftsmithError, match="feature layer 7 does not exist"):
         prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
             "data=tiny", "layers=[7]", f"output_dir={tmp_path / 'bad'}"]))
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_same_features(features, tiny_model_dir, tmp_path):
+    """accelerate launch with 2 CPU processes: shards split over the processes, same content."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    one, _, _ = features
+    out = tmp_path / "two"
+    root = Path(__file__).resolve().parents[2]
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "--main_process_port", "29537",
+           "scripts/prepare_features.py", *tiny_model_overrides(tiny_model_dir), "data=tiny", "dtype=float32",
+           "shard_size=4", "batch_size=3", f"output_dir={out}"]
+    done = subprocess.run(cmd, cwd=root, env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_manifest(out)["splits"] == read_manifest(one)["splits"]
+    a, b = FeatureDataset(one, "train"), FeatureDataset(out, "train")
+    assert len(a) == len(b) == 10
+    for i in range(10):
+        for key, value in a[i].items():
+            torch.testing.assert_close(b[i][key], value)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from models.errors import DraftsmithError
 from tests.tiny import tiny_llama, tiny_tokenizer
 from train.core.data import DataError, check_data_verifier, load_conversations, tokenize_conversations
 
@@ -133,3 +134,50 @@ def test_cli_entry_point(model_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "selfdistill: 2 records" in done.stdout
     assert len(read_records(out)) == 2
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_prompts_and_merge(model_dir, tmp_path):
+    """accelerate launch with 2 CPU processes: each answers half the prompts into its part
+    file, process 0 merges; greedy answers equal a 1-process run's, prompt for prompt."""
+    one = gen.run(make_cfg(model_dir, tmp_path / "one"))
+    out = tmp_path / "two"
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "--main_process_port", "29536",
+           str(SCRIPT), f"model.path={model_dir}", "model.name=tiny", "model.source=hf", "model.dtype=float64",
+           "data@data.prompts=tiny", "num_prompts=7", "max_new_tokens=8", "batch_size=3", f"output_dir={out}",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "process 0/2: 4 answers" in log and "process 1/2: 3 answers" in log
+    assert "7 generated now by 2 process(es)" in log
+    assert not (out / "parts").exists()
+    by_id = {r["id"]: r for r in read_records(tmp_path / "one")}
+    two = read_records(out)
+    assert len(two) == 7 and all(r == by_id[r["id"]] for r in two)
+    assert json.loads((out / "manifest.json").read_text())["counts"]["processes"] == 2
+    assert one["records"] == 7
+
+
+def test_an_interrupted_multi_process_run_resumes_from_its_parts(model_dir, tmp_path):
+    full = tmp_path / "full"
+    gen.run(make_cfg(model_dir, full))
+    lines = (full / "records.jsonl").read_text().splitlines(keepends=True)
+    out = tmp_path / "resumed"
+    (out / "parts").mkdir(parents=True)
+    (out / "parts" / "records.0.jsonl").write_text(lines[0] + lines[1])
+    (out / "parts" / "records.1.jsonl").write_text(lines[2] + lines[3][:20])  # killed mid-write
+    result = gen.run(make_cfg(model_dir, out))  # now 1 process
+    assert (result["resumed"], result["generated"], result["records"]) == (3, 4, 7)
+    assert not (out / "parts").exists()
+    assert sorted(r["id"] for r in read_records(out)) == sorted(json.loads(x)["id"] for x in lines)
+
+
+def test_vllm_backend_without_vllm_is_a_one_line_error(model_dir, tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the backend runs instead of failing")
+    with pytest.raises(DataError, match="backend=vllm needs vLLM on a GPU machine: pip install vllm"):
+        gen.run(make_cfg(model_dir, tmp_path, "backend=vllm"))
+    with pytest.raises(DraftsmithError, match="backend=.tgi. is not known; valid: transformers, vllm"):
+        gen.run(make_cfg(model_dir, tmp_path / "x", "backend=tgi"))

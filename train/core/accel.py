@@ -21,14 +21,31 @@ import math
 import os
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from transformers import get_cosine_schedule_with_warmup, get_constant_schedule_with_warmup
 
 from models.errors import DraftsmithError, choose
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
+
+
+def process_state() -> PartialState:
+    """The launch's processes for scripts that need no Accelerator (feature writing, self-
+    distillation): honours ACCELERATE_USE_CPU like Accelerator does, and refuses a launch whose
+    processes cannot see each other (each would redo all the work)."""
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    check_world(state.num_processes)
+    return state
+
+
+def check_world(num_processes: int) -> None:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        raise DraftsmithError(
+            f"the launcher started {launched} processes but accelerate sees {num_processes}: each would "
+            f"work alone; on CPU launch with ACCELERATE_USE_CPU=1 (see conf/accelerate/cpu-2proc.yaml)")
 
 
 def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
@@ -43,11 +60,7 @@ def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
                       # (Accelerator's own split_batches= argument is accepted and ignored in accelerate 1.x)
                       dataloader_config=DataLoaderConfiguration(split_batches=bool(trainer_cfg.get("split_batches"))),
                       step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != acc.num_processes:
-        raise DraftsmithError(
-            f"the launcher started {launched} processes but accelerate sees {acc.num_processes}: each would "
-            f"train alone; on CPU launch with ACCELERATE_USE_CPU=1 (see conf/accelerate/cpu-2proc.yaml)")
+    check_world(acc.num_processes)
     if trainer_cfg.get("split_batches") and trainer_cfg.batch_size % acc.num_processes:
         raise DraftsmithError(f"trainer.batch_size={trainer_cfg.batch_size} is the global batch "
                               f"(trainer.split_batches=true) and must divide by the {acc.num_processes} processes")
