@@ -6,6 +6,12 @@ zero-initialised, so a fresh head starts as the verifier's lm_head) followed by 
 to the vocabulary: its own Linear initialised from the verifier's lm_head (`lm_head="own"`,
 as in Medusa), or the verifier's frozen lm_head itself (`lm_head="shared"`: ~K*V*h fewer
 trainable parameters, a checkpoint of a few MB; the projection is still paid at run time).
+
+Reduced draft vocabulary (`draft_vocab_size=N`, EAGLE-3's trick, for every drafter here): the
+heads project onto the N most frequent target tokens of the training data only, cutting the
+V x h projection that dominates a small verifier's training step and each proposal. `d2t` (N,)
+maps draft ids to verifier ids and is saved with the heads. Decoding calls return logits over
+the full vocabulary with -inf outside the draft vocabulary, so proposers need not know.
 """
 from __future__ import annotations
 
@@ -27,12 +33,21 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1
     lm_head: str = "own"  # own | shared
+    draft_vocab_size: int | None = None  # None = the verifier's whole vocabulary
 
     def __post_init__(self):
         choose(dict.fromkeys(LM_HEAD_MODES), self.lm_head, "method.lm_head")
         if self.num_heads < 1 or self.num_layers < 0:
             raise DraftsmithError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
-                             f"got {self.num_heads}, {self.num_layers}")
+                                  f"got {self.num_heads}, {self.num_layers}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise DraftsmithError(f"method.draft_vocab_size={self.draft_vocab_size}: must be null or "
+                                  f"1..{self.vocab_size} (the verifier's vocabulary)")
+
+    @property
+    def out_size(self) -> int:
+        """Logits per head in training: the draft vocabulary if reduced, else the verifier's."""
+        return self.draft_vocab_size or self.vocab_size
 
 
 class ResBlock(nn.Module):
@@ -49,42 +64,74 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, config: MedusaConfig, verifier_lm_head: nn.Linear | None = None):
+    def __init__(self, config: MedusaConfig, verifier_lm_head: nn.Linear | None = None,
+                 d2t: torch.Tensor | None = None):
         super().__init__()
         self.config = config
-        h, v = config.hidden_size, config.vocab_size
+        h, n = config.hidden_size, config.out_size
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        if config.draft_vocab_size:
+            # draft id -> verifier id; set from token counts by the trainer, loaded from the checkpoint later
+            self.register_buffer("d2t", torch.arange(n) if d2t is None else d2t.clone().long())
         if config.lm_head == "own":
-            self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(config.num_heads))
+            self.lm_heads = nn.ModuleList(nn.Linear(h, n, bias=False) for _ in range(config.num_heads))
             if verifier_lm_head is not None:
+                rows = self._rows(verifier_lm_head.weight.data)
                 for head in self.lm_heads:
-                    head.weight.data.copy_(verifier_lm_head.weight.data)
+                    head.weight.data.copy_(rows)
+        self._shared_cache: tuple | None = None  # (source weight, its draft rows) for lm_head="shared"
+
+    def _rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """(V, H) verifier lm_head weight -> (N, H) rows of the draft vocabulary."""
+        return weight[self.d2t] if self.config.draft_vocab_size else weight
 
     def head_features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """(..., H) -> (..., H): head k's ResBlocks."""
         return self.blocks[k](hidden)
 
     def project(self, features: torch.Tensor, k: int, lm_head: nn.Module | None) -> torch.Tensor:
-        """(..., H) -> (..., V) logits of head k. `lm_head` is the verifier's, used when shared."""
+        """(..., H) -> (..., N) logits of head k over the draft vocabulary (N = V when not reduced).
+        `lm_head` is the verifier's, used when shared."""
         if self.config.lm_head == "own":
             return self.lm_heads[k](features)
         if lm_head is None:
             raise ValueError("MedusaHeads(lm_head='shared') needs the verifier's lm_head at call time")
-        return lm_head(features.to(lm_head.weight.dtype))  # the verifier may run in bf16
+        if not self.config.draft_vocab_size:
+            return lm_head(features.to(lm_head.weight.dtype))  # the verifier may run in bf16
+        weight = lm_head.weight
+        if self._shared_cache is None or self._shared_cache[0] is not weight:
+            self._shared_cache = (weight, self._rows(weight.detach()))  # gathered once, not per call
+        rows = self._shared_cache[1]
+        return F.linear(features.to(rows.dtype), rows)
+
+    def to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., N) draft-vocabulary logits -> (..., V), -inf outside the draft vocabulary."""
+        if not self.config.draft_vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.d2t, logits)
 
     def forward(self, hidden: torch.Tensor | list[torch.Tensor], lm_head: nn.Module | None = None,
                 num_heads: int | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Logits of the first `num_heads` heads (default all).
 
-        hidden (..., H), read by every head (decoding) -> logits (K, ..., V); or a list of K
-        tensors (N_k, H), head k reading its own rows (training: each head only where its
-        target is supervised) -> a list of K logits (N_k, V). Training calls go through
-        forward so DDP / DeepSpeed see them (they sync gradients only for forward calls)."""
+        hidden (..., H), read by every head (decoding) -> logits (K, ..., V) over the verifier's
+        vocabulary; or a list of K tensors (N_k, H), head k reading its own rows (training: each
+        head only where its target is supervised) -> a list of K logits (N_k, N) over the draft
+        vocabulary. Training calls go through forward so DDP / DeepSpeed see them (they sync
+        gradients only for forward calls)."""
         if isinstance(hidden, (list, tuple)):
             return [self.project(self.head_features(h, k), k, lm_head) for k, h in enumerate(hidden)]
         k_max = self.config.num_heads if num_heads is None else num_heads
         feats = torch.stack([self.head_features(hidden, k) for k in range(k_max)])  # (K, ..., H)
         if self.config.lm_head == "shared":  # one projection call for all heads
-            return self.project(feats, 0, lm_head)
-        return torch.stack([self.project(feats[k], k, lm_head) for k in range(k_max)])
+            return self.to_full_vocab(self.project(feats, 0, lm_head))
+        return self.to_full_vocab(torch.stack([self.project(feats[k], k, lm_head) for k in range(k_max)]))
+
+
+def draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """(V,) counts of target tokens in the training data -> d2t (size,): the `size` most
+    frequent verifier ids, in increasing id order (ties broken by the lower id)."""
+    order = torch.sort(token_counts, descending=True, stable=True).indices  # (V,)
+    return torch.sort(order[:size]).values

@@ -4,9 +4,10 @@ processes, and the time to reach a simulated acceptance length, measured in one 
     python scripts/bench_train.py                                   # SmolLM2, self-distilled data
     python scripts/bench_train.py steps=60 target_tau=1.4 cases=[online,offline]
 
-Each case is a real `train/medusa.py` run in a subprocess (the 2-process case through
-`accelerate launch --config_file conf/accelerate/cpu-2proc.yaml`, per-process batch halved so
-the global batch is the same); peak RSS is the sum over the case's process tree, polled.
+Each case is a real `train/medusa.py` run in a subprocess; 2-process cases go through
+`accelerate launch --config_file conf/accelerate/cpu-2proc*.yaml` (DDP, DeepSpeed ZeRO-2/3).
+Every case uses trainer.split_batches=true, so all train on the same global batches; peak RSS
+is the sum over the case's process tree, polled.
 Offline features are written once by scripts/prepare_features.py (its time is reported).
 Writes output_dir/bench_train.{json,md}.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import psutil
 from omegaconf import DictConfig
 
+from models.errors import choose
 from train.core.cli import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,17 +72,24 @@ def run(cfg: DictConfig) -> dict:
                                      f"dtype={cfg.feature_dtype}", f"output_dir={features}",
                                      *[o for o in cfg.overrides if o.startswith(("model.", "data."))]], env)
         report["prepare_features"] = {"seconds": seconds, "peak_rss_gb": rss}
-    launch2 = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "train/medusa.py"]
-    cases = {
-        "online": ([sys.executable, "train/medusa.py"], cfg.batch_size, [], {}),
-        "offline": ([sys.executable, "train/medusa.py"], cfg.batch_size, [f"data.features={features}"], {}),
-        "online-2proc": (launch2, cfg.batch_size // 2, [], {"ACCELERATE_USE_CPU": "1"}),
+    def launch2(config: str) -> list[str]:
+        return ["accelerate", "launch", "--config_file", f"conf/accelerate/{config}", "train/medusa.py"]
+
+    one = [sys.executable, "train/medusa.py"]
+    cases = {  # name -> (launcher, extra overrides, extra env); every case trains on the same global batches
+        "online": (one, [], {}),
+        "offline": (one, [f"data.features={features}"], {}),
+        "online-2proc": (launch2("cpu-2proc.yaml"), [], {"ACCELERATE_USE_CPU": "1"}),
+        "offline-2proc": (launch2("cpu-2proc.yaml"), [f"data.features={features}"], {"ACCELERATE_USE_CPU": "1"}),
+        "online-zero2-2proc": (launch2("cpu-2proc-zero2.yaml"), [], {}),
+        "online-zero3-2proc": (launch2("cpu-2proc-zero3.yaml"), [], {}),
     }
     for name in cfg.cases:
-        launcher, batch, extra, extra_env = cases[name]
+        launcher, extra, extra_env = choose(cases, name, "cases[]")
         run_dir = out_dir / name
-        seconds, rss = run_measured([*launcher, *common, f"trainer.batch_size={batch}", *extra,
-                                     f"output_dir={run_dir}"], {**env, **extra_env})
+        seconds, rss = run_measured([*launcher, *common, f"trainer.batch_size={cfg.batch_size}",
+                                     "trainer.split_batches=true", *extra, f"output_dir={run_dir}"],
+                                    {**env, **extra_env})
         metrics = read_metrics(run_dir)
         tau = metrics.get("eval/simulated_tau", [])
         elapsed = dict(metrics.get("time/elapsed_s", []))

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from models.checkpoint import save_drafter
-from models.medusa import MedusaConfig, MedusaHeads
+from models.medusa import MedusaConfig, MedusaHeads, draft_vocab
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
 from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
@@ -44,38 +44,64 @@ def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float, num_heads: int,
-                reduce_counts=None):
+                reduce_counts=None, t2d: torch.Tensor | None = None):
     """hidden (B, T, H) from the frozen verifier -> (loss, per-head stats).
 
     Logits are computed only at supervised positions: the V x H projection is the dominant
     cost here, and prompt/padding positions carry no loss. CE is summed and divided by the
     head's supervised-token count over ALL processes (`reduce_counts` sums a (K,) tensor
     across them), times the process count that DDP/DeepSpeed average over: the gradient is
-    then the global token mean, the same for 1 or N processes."""
+    then the global token mean, the same for 1 or N processes.
+
+    t2d (V,): verifier id -> draft id (-1 outside a reduced draft vocabulary). Targets outside
+    it carry no loss (no head can emit them) but count as misses in the accuracy stats."""
     targets, rows = [], []
     for k in range(num_heads):
         mask, target = head_targets(labels, k)  # (B, T), (N_k,)
-        targets.append(target)
-        rows.append(hidden[mask])  # (N_k, H)
-    counts = torch.tensor([t.numel() for t in targets], dtype=torch.float64)  # (K,)
+        if t2d is not None:  # keep only rows whose target the draft vocabulary holds
+            drafted = t2d[target]  # (N_k,)
+            keep = drafted >= 0
+            mask = mask.clone()
+            mask[mask.clone()] = keep
+            targets.append((drafted[keep], target.numel()))
+        else:
+            targets.append((target, target.numel()))
+        rows.append(hidden[mask])  # (N_k', H)
+    counts = torch.tensor([t.numel() for t, _ in targets], dtype=torch.float64)  # (K,)
     world = 1
     if reduce_counts is not None:
         counts, world = reduce_counts(counts)
-    logits = heads(rows, lm_head)  # K x (N_k, V): one forward call, which DDP/DeepSpeed track
+    logits = heads(rows, lm_head)  # K x (N_k', N): one forward call, which DDP/DeepSpeed track
     loss = hidden.new_zeros(())
     stats = {}
-    for k, (head_logits, target) in enumerate(zip(logits, targets)):
+    for k, (head_logits, (target, total)) in enumerate(zip(logits, targets)):
         ce_sum = F.cross_entropy(head_logits.float(), target, reduction="sum")
         loss = loss + (decay ** k) * ce_sum * (world / max(float(counts[k]), 1.0))
-        if target.numel() == 0:
+        if total == 0:
             continue
         with torch.no_grad():
-            top5 = head_logits.topk(5, dim=-1).indices  # (N_k, 5)
-            stats[f"head{k}/loss"] = ce_sum.item() / target.numel()
+            top5 = head_logits.topk(min(5, head_logits.shape[-1]), dim=-1).indices  # (N_k', 5)
+            stats[f"head{k}/loss"] = ce_sum.item() / max(target.numel(), 1)
             stats[f"head{k}/top1_hits"] = (top5[:, 0] == target).sum().item()
             stats[f"head{k}/top5_hits"] = (top5 == target[:, None]).any(-1).sum().item()
-            stats[f"head{k}/count"] = target.numel()
+            stats[f"head{k}/count"] = total  # targets outside the draft vocabulary are misses
     return loss, stats
+
+
+def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """d2t (N,) -> t2d (V,): the draft id of each verifier id, -1 where there is none."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    return t2d
+
+
+def label_counts(labels_per_example, vocab_size: int) -> torch.Tensor:
+    """(V,) how often each verifier id is a supervised target in the training data."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for labels in labels_per_example:
+        labels = torch.as_tensor(labels)
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)
+    return counts
 
 
 def global_counts(accelerator):
@@ -106,14 +132,14 @@ def verifier_features(verifier, batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head) -> dict:
+def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head, t2d=None) -> dict:
     heads.eval()
     totals: dict[str, float] = {}
     loss_sum, batches = 0.0, 0
     for batch in loader:
         hidden = verifier_features(verifier, batch)  # (B, T, H)
         with accelerator.autocast():
-            loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, decay, num_heads)
+            loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, decay, num_heads, t2d=t2d)
         loss_sum, batches = loss_sum + loss.item(), batches + 1
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
@@ -163,8 +189,17 @@ def run(cfg: DictConfig) -> dict:
     eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
-                          num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head)
-    heads = MedusaHeads(config, lm_head).to(accelerator.device)
+                          num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head,
+                          draft_vocab_size=mcfg.get("draft_vocab_size"))
+    d2t = t2d = None
+    if config.draft_vocab_size:  # the most frequent supervised tokens of the training split
+        counts = label_counts(train_ds.labels() if isinstance(train_ds, FeatureDataset) else train_ds["labels"],
+                              config.vocab_size)
+        d2t = draft_vocab(counts, config.draft_vocab_size)
+        t2d = target_to_draft(d2t, config.vocab_size).to(accelerator.device)
+        accelerator.print(f"medusa: draft vocabulary of {config.draft_vocab_size:,} of {config.vocab_size:,} "
+                          f"tokens covers {counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
+    heads = MedusaHeads(config, lm_head, d2t=d2t).to(accelerator.device)
     trainable = sum(p.numel() for p in heads.parameters())  # before prepare: ZeRO-3 partitions them
     optimizer = make_optimizer([{"params": list(heads.parameters())}], tcfg)
     scheduler = make_scheduler(optimizer, tcfg)
@@ -215,7 +250,7 @@ def run(cfg: DictConfig) -> dict:
                 hidden = verifier_features(verifier, batch)  # (B, T, H) frozen, fp32
                 with accelerator.autocast():
                     loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, mcfg.decay,
-                                              config.num_heads, global_counts(accelerator))
+                                              config.num_heads, global_counts(accelerator), t2d)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and tcfg.max_grad_norm:
                     accelerator.clip_grad_norm_(heads.parameters(), tcfg.max_grad_norm)
@@ -232,7 +267,7 @@ def run(cfg: DictConfig) -> dict:
             log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
             accelerator.log(log, step=step)
         if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads, lm_head)
+            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads, lm_head, t2d)
             accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
             accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
             if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:

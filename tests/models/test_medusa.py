@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from models.medusa import MedusaConfig, MedusaHeads
+from models.medusa import MedusaConfig, MedusaHeads, draft_vocab
 from tests.tiny import tiny_llama
 from train.medusa import head_targets, medusa_loss, simulated_tau
 
@@ -95,3 +95,75 @@ def test_simulated_tau():
     assert simulated_tau([]) == 1.0
     assert abs(simulated_tau([0.5, 0.5]) - (1 + 0.5 + 0.25)) < 1e-12
     assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+
+
+def test_reduced_draft_vocabulary():
+    """Heads over the N most frequent targets: training logits over N, decoding logits over V
+    with -inf outside the draft vocabulary and the verifier's own logits inside (fresh heads)."""
+    model = tiny_llama()
+    counts = torch.zeros(128, dtype=torch.long)
+    counts[[7, 3, 90, 41]] = torch.tensor([5, 9, 9, 1])
+    d2t = draft_vocab(counts, 3)
+    assert d2t.tolist() == [3, 7, 90]  # the 3 most frequent, in id order
+    lm_head = model.get_output_embeddings()
+    hidden = torch.randn(2, 5, 32, dtype=torch.float64)
+    full = lm_head(hidden)  # (2, 5, V)
+    for mode in ("own", "shared"):
+        cfg = MedusaConfig(32, 128, num_heads=2, lm_head=mode, draft_vocab_size=3)
+        heads = MedusaHeads(cfg, lm_head, d2t=d2t).to(torch.float64)
+        train_logits = heads([hidden[0], hidden[1, :2]], lm_head)
+        assert [t.shape for t in train_logits] == [(5, 3), (2, 3)]
+        torch.testing.assert_close(train_logits[0], full[0][:, d2t])
+        logits = heads(hidden, lm_head)  # (K, 2, 5, V)
+        assert logits.shape == (2, 2, 5, 128)
+        torch.testing.assert_close(logits[0][..., d2t], full[..., d2t])
+        outside = torch.ones(128, dtype=torch.bool)
+        outside[d2t] = False
+        assert torch.isinf(logits[..., outside]).all()
+        assert heads.state_dict()["d2t"].tolist() == [3, 7, 90]
+    try:
+        MedusaConfig(32, 128, draft_vocab_size=129)
+    except ValueError as e:
+        assert "method.draft_vocab_size=129" in str(e)
+    else:
+        raise AssertionError("a draft vocabulary larger than the verifier's was accepted")
+
+
+def test_medusa_loss_with_a_draft_vocabulary_skips_and_counts_missing_targets():
+    from train.medusa import target_to_draft
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    d2t = torch.arange(0, 128, 2)  # even ids only
+    cfg = MedusaConfig(32, 128, num_heads=1, lm_head="own", draft_vocab_size=64)
+    heads = MedusaHeads(cfg, model.get_output_embeddings(), d2t=d2t).to(torch.float64)
+    ids = torch.randint(0, 128, (2, 9))
+    hidden = model.model(input_ids=ids).last_hidden_state
+    t2d = target_to_draft(d2t, 128)
+    loss, stats = medusa_loss(heads, hidden, ids, None, 0.8, 1, t2d=t2d)
+    mask, target = head_targets(ids, 0)
+    even = target % 2 == 0
+    expected = F.cross_entropy(heads.lm_heads[0](hidden[mask][even]), target[even] // 2)
+    torch.testing.assert_close(loss, expected)
+    assert stats["head0/count"] == target.numel() > int(even.sum())  # odd targets are misses
+
+
+def test_reduced_vocabulary_heads_decode_losslessly():
+    from decode.engine import generate
+    from decode.proposers import make_proposer
+
+    torch.manual_seed(0)
+    model = tiny_llama(eos_token_id=None)
+    counts = torch.bincount(torch.randint(0, 128, (400,)), minlength=128)
+    cfg = MedusaConfig(32, 128, num_heads=2, lm_head="shared", draft_vocab_size=48)
+    heads = MedusaHeads(cfg, d2t=draft_vocab(counts, 48)).to(torch.float64)
+    for p in heads.parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    proposer = make_proposer("medusa", heads=heads, paths=[[0], [1], [0, 0], [0, 1]],
+                             lm_head=model.get_output_embeddings())
+    ids = torch.randint(4, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = generate(model, ids, proposer=proposer, max_new_tokens=30)
+    ref = model.generate(ids, do_sample=False, max_new_tokens=30)[0, 6:].tolist()
+    assert out.tokens == ref
+    tree = proposer.propose(ref[-1], torch.randn(32, dtype=torch.float64), [])
+    assert set(tree.tokens[1:].tolist()) <= set(heads.d2t.tolist())  # drafts come from the draft vocabulary

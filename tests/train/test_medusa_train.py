@@ -52,6 +52,24 @@ def test_shared_lm_head_mode_trains(tiny_model_dir, tmp_path):
     assert config.lm_head == "shared" and not hasattr(heads, "lm_heads")
 
 
+def test_draft_vocabulary_is_the_most_frequent_training_targets(tiny_model_dir, tmp_path):
+    import torch
+
+    from train.core.data import load_conversations, split_heldout, tokenize_conversations
+    from models.verifier import load_verifier
+
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", "method.draft_vocab_size=20", "method.lm_head=shared")
+    summary = run(cfg)
+    _, heads, config, _ = load_drafter(summary["drafter_dir"])
+    assert config.draft_vocab_size == 20 and heads.d2t.shape == (20,)
+    verifier = load_verifier(cfg.model)
+    train_conv, _ = split_heldout(load_conversations(cfg.data), cfg.data)
+    labels = torch.cat([torch.tensor(x) for x in tokenize_conversations(train_conv, verifier.tokenizer,
+                                                                         cfg.data.max_length)["labels"]])
+    counts = torch.bincount(labels[labels >= 0], minlength=128)
+    assert counts[heads.d2t].min() >= counts.sort(descending=True).values[19]  # no rarer token got in
+
+
 def test_bad_method_value_is_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="method.lm_head='tied'.*valid: own, shared"):
         run(_cfg(tiny_model_dir, tmp_path / "run", "method.lm_head=tied"))

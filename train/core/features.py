@@ -85,6 +85,11 @@ class FeatureDataset(Dataset):
         example.update({key: f.get_slice(key)[a:b] for key in self.keys})  # (T, ...)
         return example
 
+    def labels(self):
+        """Every example's labels (T,), reading nothing else (for token statistics)."""
+        for s, a, b in self.index:
+            yield self._shard(s).get_slice("labels")[a:b]
+
     def __getstate__(self):  # DataLoader workers reopen the shards themselves
         return {**self.__dict__, "_open": {}}
 
