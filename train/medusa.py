@@ -10,10 +10,7 @@ simulated acceptance length are measured on the held-out split at every eval.
 """
 from __future__ import annotations
 
-import json
-import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +22,12 @@ from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, draft_vocab
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
-from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
+from train.core.checkpoint import claim_output_dir, save_training_state
 from train.core.cli import launch
-from train.core.data import check_data_verifier, load_conversations, make_dataloader, split_heldout, tokenize_conversations
-from train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
+from train.core.data import check_data_verifier
+from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
+from train.core.loop import BatchStream, best_so_far, load_train_data, resume
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,14 +159,9 @@ def run(cfg: DictConfig) -> dict:
     tcfg, mcfg = cfg.trainer, cfg.method
     accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
     if cfg.data.get("features"):  # offline: stored hidden states, only the lm_head is loaded
-        manifest = read_manifest(cfg.data.features)
-        verifier = offline_verifier(cfg.model, manifest)
+        verifier = offline_verifier(cfg.model, read_manifest(cfg.data.features))
         lm_head = verifier.lm_head.to(accelerator.device)
         placement = "not loaded (offline features)"
-        train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
-
-        def loader_for(ds, batch_size, shuffle, seed, drop_last=False):
-            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     else:  # online: the frozen verifier runs inside every step
         verifier = load_verifier(cfg.model)
         # The heads need the verifier's lm_head as a whole matrix: a frozen copy, kept out of any sharding.
@@ -177,23 +170,17 @@ def run(cfg: DictConfig) -> dict:
         placement = place_frozen(accelerator, verifier.model)
         lm_head = lm_head if lm_head is not None else verifier.lm_head
         check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
-        # Chat conversations -> assistant-only labels; a held-out split never trained on.
-        train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
-        train_ds = tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length)
-        eval_ds = tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)
-
-        def loader_for(ds, batch_size, shuffle, seed, drop_last=False):
-            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed,
-                                   drop_last=drop_last)
+    data = load_train_data(cfg, getattr(verifier, "tokenizer", None))
+    train_ds, eval_ds = data.train, data.eval
     claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
-    eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
+    eval_loader = accelerator.prepare(data.loader(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
                           num_heads=mcfg.num_heads, num_layers=mcfg.num_layers, lm_head=mcfg.lm_head,
                           draft_vocab_size=mcfg.get("draft_vocab_size"))
     d2t = t2d = None
     if config.draft_vocab_size:  # the most frequent supervised tokens of the training split
-        counts = label_counts(train_ds.labels() if isinstance(train_ds, FeatureDataset) else train_ds["labels"],
+        counts = label_counts(train_ds.labels() if data.offline else train_ds["labels"],
                               config.vocab_size)
         d2t = draft_vocab(counts, config.draft_vocab_size)
         t2d = target_to_draft(d2t, config.vocab_size).to(accelerator.device)
@@ -207,44 +194,20 @@ def run(cfg: DictConfig) -> dict:
     init_trackers(accelerator, cfg.logger, f"medusa-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
                   cfg.output_dir)
 
-    step = 0
-    ckpt = latest_checkpoint(cfg.output_dir) if tcfg.resume else None
-    if ckpt is not None:
-        step = load_training_state(accelerator, ckpt)["step"]
-        accelerator.print(f"resuming from {ckpt} at step {step}")
-
-    def epoch_loader(epoch: int):
-        # split_batches: only full global batches, so every process count cuts the same batches the same way
-        # (accelerate would otherwise move a short last batch to the end and pad it with repeats).
-        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch,
-                                              drop_last=bool(tcfg.split_batches)))
-
-    # Batches per process per epoch: ceil(batches / processes), or all of them (halved) with split_batches.
-    batches_per_epoch = len(epoch_loader(0))
-    micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
-    epoch, offset = divmod(micro, batches_per_epoch)
-    loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)
-    batches = iter(loader)
-
+    step = resume(accelerator, cfg)
+    batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
     accelerator.print(f"medusa: {config.num_heads} heads ({trainable:,} "
                       f"trainable params), {len(train_ds)} train / {len(eval_ds)} held-out conversations, "
-                      f"{batches_per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}] "
+                      f"{batches.per_epoch} batches/epoch, verifier {verifier.name} [{verifier.fingerprint}] "
                       f"{placement}")
     metrics: dict = {}
-    best = {"eval/simulated_tau": -math.inf}
-    if step and (Path(cfg.output_dir) / "best" / "meta.json").is_file():  # keep the best across resumes
-        best = json.loads((Path(cfg.output_dir) / "best" / "meta.json").read_text())["metrics"]
+    best = best_so_far(cfg.output_dir, step, "eval/simulated_tau")
     tokens, t0 = 0, time.time()
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="medusa", disable=not accelerator.is_main_process)
     heads.train()
     while step < tcfg.max_steps:
         for _ in range(tcfg.grad_accum):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                epoch += 1
-                batches = iter(epoch_loader(epoch))
-                batch = next(batches)
+            batch = next(batches)
             with accelerator.accumulate(heads):
                 # The loss step: frozen verifier features, then the heads' weighted CE.
                 hidden = verifier_features(verifier, batch)  # (B, T, H) frozen, fp32
@@ -274,7 +237,7 @@ def run(cfg: DictConfig) -> dict:
                 best = {**metrics, "step": step}
                 save_heads(cfg, accelerator, heads, config, verifier, best, "best")
         if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": epoch}, tcfg.keep_last)
+            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
     bar.close()
 
     final = save_heads(cfg, accelerator, heads, config, verifier, {**metrics, "step": step}, "final")
