@@ -1,0 +1,131 @@
+"""Draft models: a small causal LM sharing the verifier's tokenizer (classic speculative decoding).
+
+Students (`method.student.init`):
+- truncate (default): the verifier's own family with its first N decoder layers, embeddings,
+  final norm and lm_head copied. Before any training it already reproduces the verifier's
+  first N layers exactly, a cheap and strong starting point (DistillSpec, LayerSkip).
+- config: a fresh model of the verifier's family at a chosen size (layers, hidden, heads,
+  intermediate); embeddings and lm_head copied when the hidden size matches.
+- pretrained: any local HF causal LM folder with the same vocabulary (e.g. SmolLM2-135M as the
+  draft of SmolLM2-1.7B).
+
+A trained draft is saved as a normal HF model folder (config.json + model.safetensors +
+tokenizer) plus meta.json with the verifier fingerprint, so HF `generate(assistant_model=...)`,
+vLLM and draftsmith's own decoder all load it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
+from models.errors import DraftsmithError, choose
+
+def truncated_student(verifier: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """The verifier's first `num_layers` decoder layers + embeddings + final norm + lm_head."""
+    total = verifier.config.num_hidden_layers
+    if not 0 < num_layers < total:
+        raise DraftsmithError(f"method.student.num_layers={num_layers}: must be 1..{total - 1} "
+                              f"(the verifier has {total} layers)")
+    config = verifier.config.__class__.from_dict(verifier.config.to_dict())
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding / full) follow the layers
+        config.layer_types = config.layer_types[:num_layers]
+    student = AutoModelForCausalLM.from_config(config, dtype=verifier.dtype)
+    state = {k: v for k, v in verifier.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise DraftsmithError(f"cannot truncate {config.model_type}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return student
+
+
+def fresh_student(verifier: PreTrainedModel, student_cfg) -> PreTrainedModel:
+    """A new model of the verifier's family at the size given by method.student.*."""
+    config = verifier.config.__class__.from_dict(verifier.config.to_dict())
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads"):
+        value = student_cfg.get(key.replace("num_hidden_layers", "num_layers"))
+        if value is not None:
+            setattr(config, key, int(value))
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:config.num_hidden_layers]
+    if hasattr(config, "head_dim"):
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    student = AutoModelForCausalLM.from_config(config, dtype=verifier.dtype)
+    if config.hidden_size == verifier.config.hidden_size:  # same width: start from the verifier's vocab rows
+        student.get_input_embeddings().weight.data.copy_(verifier.get_input_embeddings().weight.data)
+        if not config.tie_word_embeddings:
+            student.get_output_embeddings().weight.data.copy_(verifier.get_output_embeddings().weight.data)
+    return student
+
+
+def pretrained_student(path: str, verifier: PreTrainedModel, verifier_tokenizer) -> PreTrainedModel:
+    folder = Path(str(path)).expanduser()
+    if not (folder / "config.json").is_file():
+        raise DraftsmithError(f"method.student.path={path}: not a local HF model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab != verifier.config.vocab_size:
+        raise DraftsmithError(f"method.student.path={path}: vocabulary of {vocab} tokens, the verifier has "
+                              f"{verifier.config.vocab_size}; a draft must share the verifier's tokenizer")
+    try:
+        from transformers import AutoTokenizer
+
+        if AutoTokenizer.from_pretrained(folder).get_vocab() != verifier_tokenizer.get_vocab():
+            raise DraftsmithError(f"method.student.path={path}: same vocabulary size but another tokenizer; "
+                                  f"a draft must share the verifier's tokenizer")
+    except OSError:
+        pass  # no tokenizer files: the size check above is what we can do
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=verifier.dtype)
+
+
+def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) -> PreTrainedModel:
+    """method.student -> a trainable causal LM with the verifier's vocabulary."""
+    builders = {"truncate": lambda: truncated_student(verifier, int(student_cfg.num_layers)),
+                "config": lambda: fresh_student(verifier, student_cfg),
+                "pretrained": lambda: pretrained_student(student_cfg.get("path"), verifier, verifier_tokenizer)}
+    student = choose(builders, student_cfg.init, "method.student.init")()
+    student.generation_config.pad_token_id = verifier_tokenizer.pad_token_id
+    return student.train().requires_grad_(True)
+
+
+def save_draft_model(out_dir: str | Path, model: PreTrainedModel, tokenizer, *, verifier_fingerprint: str,
+                     verifier_name: str, meta: dict | None = None, state_dict: dict | None = None,
+                     resolved_config_yaml: str | None = None) -> Path:
+    """An HF model folder (one model.safetensors) + tokenizer + meta.json, written atomically."""
+    def write(tmp: Path):
+        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size="1000GB")
+        tokenizer.save_pretrained(tmp)
+        info = {"kind": "draft", "verifier_fingerprint": verifier_fingerprint, "verifier_name": verifier_name,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2, default=str))
+        if resolved_config_yaml is not None:
+            (tmp / "config.yaml").write_text(resolved_config_yaml)
+
+    return write_atomic_dir(out_dir, write)
+
+
+def load_draft_model(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = None,
+                     allow_mismatch: bool = False, dtype: torch.dtype | None = None,
+                     vocab_size: int | None = None) -> tuple[PreTrainedModel, dict]:
+    """-> (frozen eval-mode model, meta). Any HF causal LM folder works; a draftsmith-trained
+    one also carries meta.json, whose verifier fingerprint is checked."""
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / "meta.json").is_file():
+        meta = read_meta(ckpt_dir)
+        check_fingerprint(ckpt_dir, meta, verifier_fingerprint, allow_mismatch)
+    elif (ckpt_dir / "config.json").is_file():
+        meta = {"kind": "draft", "note": "plain HF model folder, not trained by draftsmith"}
+    else:
+        raise DraftsmithError(f"drafter={ckpt_dir}: not a draft model folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
+    if vocab_size is not None and model.config.vocab_size != vocab_size:
+        raise DraftsmithError(f"drafter={ckpt_dir}: vocabulary of {model.config.vocab_size} tokens, the verifier "
+                              f"has {vocab_size}; a draft must share the verifier's tokenizer")
+    return model.eval().requires_grad_(False), meta
