@@ -11,6 +11,8 @@ runs through ``generate``:
              acceptance rule -> (path, next_token); emitted = tokens[path[1:]] + [next_token]
              cache compacted to prompt + ... + root + accepted nodes; next_token is the next
              root (not in the cache); hidden[path[-1]] feeds the next proposal.
+    A proposer with ``feature_layers`` (EAGLE-3) also gets those verifier layers' states of the
+    prompt / tree nodes (``layer_hidden=``) in prefill / accept, from the same forwards.
 
 "Fused": the hidden states the proposer needs for the next step come from the same
 verification forward; there is never a second verifier pass.
@@ -195,14 +197,15 @@ def generate(
     stop = _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer)
     decoder, lm_head, dtype = model.get_decoder(), model.get_output_embeddings(), model.dtype
     tree_mask_ok = getattr(model.config, "_attn_implementation", None) in TREE_MASK_ATTENTION
+    layers = _feature_layers(proposer, model)
 
     with torch.inference_mode():
         t_start = time.perf_counter()
         cache = DynamicCache(config=model.config)
         check_compactable(cache)  # the layers are built from the config: fail before any work
-        hidden = decoder(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state[0]  # (T, H)
+        hidden, extra = _decoder_forward(decoder, layers, input_ids=input_ids, cache=cache, use_cache=True)  # (T, H)
         first = _first_token(lm_head(hidden[-1]), rule_name, params, generator)
-        proposer.prefill(input_ids[0], hidden, params)
+        proposer.prefill(input_ids[0], hidden, params, **extra)
         cache_len = input_ids.shape[1]  # tokens in the cache; the root never is
         ids: list[int] = input_ids[0].tolist()  # prompt + emitted (root included)
         out: list[int] = []
@@ -224,10 +227,10 @@ def generate(
                 )
             else:
                 mask, position_ids = tree.verify_inputs(cache_len, dtype)  # (1, 1, n, L + n), (1, n)
-            hidden = decoder(
-                input_ids=tree.tokens[None], attention_mask=mask, position_ids=position_ids,
+            hidden, extra = _decoder_forward(
+                decoder, layers, input_ids=tree.tokens[None], attention_mask=mask, position_ids=position_ids,
                 cache=cache, use_cache=True,
-            ).last_hidden_state[0]  # (n, H)
+            )  # (n, H)
             logits = lm_head(hidden)  # (n, V)
             t2 = time.perf_counter()
 
@@ -245,7 +248,7 @@ def generate(
             accepted = tree.tokens[path[1:]].tolist() if len(path) > 1 else []
             n_before = len(out)
             done = stop.extend(out, ids, accepted + [next_token])
-            proposer.accept(tree, path, next_token, hidden)
+            proposer.accept(tree, path, next_token, hidden, **extra)
             root, hidden_last = next_token, hidden[path[-1]]  # (H,)
             t3 = time.perf_counter()
             steps.append(StepStats(
@@ -258,6 +261,29 @@ def generate(
         proposer=proposer.name, stop_reason=stop.reason, prefill_s=prefill_s,
         total_s=time.perf_counter() - t_start, prompt_len=input_ids.shape[1],
     )
+
+
+def _feature_layers(proposer: Proposer, model: PreTrainedModel) -> list[int]:
+    """Verifier layers (0-based) whose outputs the proposer needs besides the final hidden state."""
+    layers = [int(i) for i in getattr(proposer, "feature_layers", None) or ()]
+    n = model.config.num_hidden_layers
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"{proposer.name} proposer asks for verifier layers {bad}; the verifier has {n} (0..{n - 1})")
+    return layers
+
+
+def _decoder_forward(decoder, layers: list[int], **kwargs) -> tuple[torch.Tensor, dict]:
+    """One verifier decoder forward -> (final hidden (n, H), extra proposer inputs).
+
+    With ``layers`` the extra dict holds ``layer_hidden`` (n, L*H): those layers' outputs,
+    concatenated in order, indexed as models.verifier.Verifier.features does (what EAGLE-3
+    trained on). Without, no hidden states are collected (plain and Medusa decoding)."""
+    if not layers:
+        return decoder(**kwargs).last_hidden_state[0], {}  # (n, H)
+    out = decoder(**kwargs, output_hidden_states=True)
+    hidden = out.last_hidden_state[0]  # (n, H)
+    return hidden, {"layer_hidden": torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)}  # (n, L*H)
 
 
 def _first_token(logits: torch.Tensor, rule_name: str, params: SamplingParams, generator) -> int:

@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from decode.engine import generate, summarize
-from decode.proposers import make_proposer
+from decode.proposers import PROPOSERS, make_proposer
 from models.checkpoint import load_drafter
+from models.draft import load_draft_model
 from models.errors import DraftsmithError, choose
 from models.verifier import load_verifier
 from train.core.cli import launch
@@ -32,23 +33,72 @@ from train.core.data import load_prompts
 
 def build_proposer(cfg, verifier):
     """The method's proposer (None = plain decoding) and the drafter's metadata."""
-    kind = choose({"vanilla": "vanilla", "medusa": "medusa"}, cfg.method.proposer, "method.proposer")
+    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
     if kind == "vanilla":
         return None, {}
+    if kind in DRAFT_FREE + ("draft",):
+        return build_decode_only(cfg, verifier, kind)
     if not cfg.drafter:
         raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir>")
-    drafter_kind, heads, config, meta = load_drafter(
+    drafter_kind, module, config, meta = load_drafter(
         cfg.drafter, verifier_fingerprint=verifier.fingerprint, allow_mismatch=cfg.allow_fingerprint_mismatch)
-    if drafter_kind != "medusa":
-        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter_kind!r} checkpoint; method=medusa needs medusa")
-    heads = heads.to(device=verifier.model.device, dtype=verifier.model.dtype)
+    if drafter_kind != kind:
+        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter_kind!r} checkpoint; "
+                              f"method={cfg.method.name} needs {kind}")
+    module = module.to(device=verifier.model.device, dtype=verifier.model.dtype)
+    if kind == "eagle":
+        return make_proposer("eagle", drafter=module, embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
+                             **eagle_tree(cfg.decode)), meta
+    if "paths" not in cfg.decode:
+        raise DraftsmithError(f"decode={cfg.decode.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
+                              f"a static tree such as decode=medusa-small")
     paths = [tuple(p) for p in cfg.decode.paths]
     depth = max(len(p) for p in paths)
     if depth > config.num_heads:
         raise DraftsmithError(f"decode={cfg.decode.name} is {depth} deep but drafter={cfg.drafter} has "
                               f"{config.num_heads} heads; pick a shallower decode=... tree")
-    proposer = make_proposer("medusa", heads=heads, paths=paths, lm_head=verifier.lm_head)
+    proposer = make_proposer("medusa", heads=module, paths=paths, lm_head=verifier.lm_head)
     return proposer, meta
+
+
+DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter
+DECODE_PRESETS = {"draft": "draft-chain", "prompt_lookup": "prompt-lookup", "lookahead": "lookahead"}
+
+
+def build_decode_only(cfg, verifier, kind: str):
+    """Proposers configured entirely by their decode preset (plus drafter= for a draft model)."""
+    d = cfg.decode
+    if d.get("proposer") != kind:
+        raise DraftsmithError(f"method={cfg.method.name} needs a {kind} decode preset and decode={d.name} is not "
+                              f"one: pass decode={DECODE_PRESETS[kind]}")
+    device = verifier.model.device
+    if kind == "prompt_lookup":
+        return make_proposer(kind, num_tokens=d.num_tokens, max_ngram=d.max_ngram, min_ngram=d.min_ngram,
+                             num_matches=d.num_matches, device=device), {}
+    if kind == "lookahead":
+        return make_proposer(kind, lm_head=verifier.lm_head, window=d.window, ngram=d.ngram, guess_set=d.guess_set,
+                             pool_from_prompt=d.pool_from_prompt, seed=cfg.seed, device=device), {}
+    if not cfg.drafter:
+        raise DraftsmithError(f"method={cfg.method.name} needs a draft model: pass drafter=<draft model folder> "
+                              f"(train one with python train/draft.py, or any HF model with the same tokenizer)")
+    vocab = verifier.lm_head.weight.shape[0]
+    draft, meta = load_draft_model(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
+                                   allow_mismatch=cfg.allow_fingerprint_mismatch, dtype=verifier.model.dtype,
+                                   vocab_size=vocab)
+    return make_proposer(kind, model=draft.to(device), vocab_size=vocab, num_tokens=d.num_tokens,
+                         tree_topk=list(d.tree_topk), length_schedule=d.length_schedule, min_tokens=d.min_tokens,
+                         max_tokens=d.max_tokens, confidence=d.confidence, seed=cfg.seed), meta
+
+
+def eagle_tree(decode_cfg) -> dict:
+    """EAGLE tree settings from a decode preset: a static path list, or EAGLE-2 depth/top_k/total_tokens."""
+    if "paths" in decode_cfg:
+        return {"paths": [tuple(p) for p in decode_cfg.paths]}
+    missing = [k for k in ("depth", "top_k", "total_tokens") if decode_cfg.get(k) is None]
+    if missing:
+        raise DraftsmithError(f"decode={decode_cfg.name} has neither paths nor {', '.join(missing)}; "
+                              f"use decode=eagle-chain, eagle-static or eagle-dynamic")
+    return {k: int(decode_cfg[k]) for k in ("depth", "top_k", "total_tokens")}
 
 
 def prompt_ids(tokenizer, messages) -> torch.Tensor:

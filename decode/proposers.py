@@ -26,6 +26,7 @@ keeps state: a draft model's or EAGLE's own KV cache is rolled back to the accep
 ``buffers=None``; the engine then builds the mask from ``parents``.
 """
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -189,20 +190,30 @@ class MedusaProposer(Proposer):
         return DraftTree(tokens=tokens, parents=self.buffers.parents, buffers=self.buffers, is_chain=self.is_chain)
 
 
-PROPOSERS: dict[str, type[Proposer]] = {
-    "vanilla": VanillaProposer,
-    "medusa": MedusaProposer,
+# name -> "module:Class". Proposers in other modules are imported when first built (they
+# import this module for the base class, so importing them here would be circular).
+PROPOSERS: dict[str, str] = {
+    "vanilla": "decode.proposers:VanillaProposer",
+    "medusa": "decode.proposers:MedusaProposer",
+    "eagle": "decode.eagle:EagleProposer",
+    "draft": "decode.draft:DraftModelProposer",
+    "prompt_lookup": "decode.lookup:PromptLookupProposer",
+    "lookahead": "decode.lookup:LookaheadProposer",
 }
 
 
 def make_proposer(name: str, **kwargs) -> Proposer:
     """Build the proposer registered under ``name`` with its constructor's keyword arguments.
 
-    vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None).
+    vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None);
+    eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens);
+    draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed);
+    prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device);
+    lookahead: (lm_head, window, ngram, guess_set, pool_from_prompt, seed, device).
     Unknown names raise ValueError listing the valid ones.
     """
     try:
-        cls = PROPOSERS[name]
+        module, cls = PROPOSERS[name].split(":")
     except KeyError:
         raise ValueError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
-    return cls(**kwargs)
+    return getattr(importlib.import_module(module), cls)(**kwargs)

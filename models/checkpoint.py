@@ -19,11 +19,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.errors import DraftsmithError, choose
+from models.eagle import EagleConfig, EagleDrafter
 from models.medusa import MedusaConfig, MedusaHeads
 
 # kind -> (config dataclass, module class); a module is built as cls(config).
 DRAFTER_KINDS = {
     "medusa": (MedusaConfig, MedusaHeads),
+    "eagle": (EagleConfig, EagleDrafter),  # the verifier's embedding / lm_head are not stored
 }
 FILES = ("config.json", "model.safetensors", "meta.json")
 

@@ -188,7 +188,7 @@ def test_typical_acceptance_is_marked_lossy(greedy_setup):
 
 def test_unknown_keys_list_the_valid_ones(greedy_setup):
     model, _ = greedy_setup
-    with pytest.raises(ValueError, match="valid: medusa, vanilla"):
+    with pytest.raises(ValueError, match="valid: draft, eagle, lookahead, medusa, prompt_lookup, vanilla"):
         make_proposer("eagle9")
     assert set(PROPOSERS) >= {"vanilla", "medusa"}
     with pytest.raises(ValueError, match="valid: auto, greedy, rejection, typical"):

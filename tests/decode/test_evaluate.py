@@ -92,5 +92,34 @@ def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_mo
     report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.enabled=false",
                       "data.num_prompts=1", "max_new_tokens=4"))
     assert list(report["methods"]) == ["vanilla"] and report["methods"]["vanilla"]["tau"] == 1.0
-    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: medusa, vanilla"):
+    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: draft, eagle, lookahead, medusa, prompt_lookup, vanilla"):
         run(_cfg(tiny_model_dir, tmp_path / "eval", "method.proposer=eagle9"))
+
+
+@pytest.mark.parametrize("method,decode", [("prompt-lookup", "prompt-lookup"), ("lookahead", "lookahead"),
+                                           ("draft", "draft-chain"), ("draft", "draft-tree")])
+def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, decode):
+    """Prompt lookup, lookahead and a draft model (a trained-by-nobody truncated verifier,
+    saved as a draft folder) through the evaluator: greedy output equals plain decoding; the
+    draft is also HF's assistant, for the assisted-generation comparison."""
+    from omegaconf import OmegaConf
+
+    from models.draft import build_student, save_draft_model
+    from tests.tiny import tiny_tokenizer
+
+    extra = [f"method={method}", f"decode={decode}", "drafter=null"]
+    if method == "draft":
+        verifier = tiny_llama(dtype=torch.float32)
+        student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+        draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(),
+                                 verifier_fingerprint=fingerprint(verifier), verifier_name="tiny")
+        extra = [f"method={method}", f"decode={decode}", f"drafter={draft}", f"hf.assistant={draft}"]
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", *extra))
+    ours = report["methods"][method]
+    assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
+    assert ours["tau"] >= 1.0
+    if method == "draft":
+        assert "hf_assisted" in report["methods"]
+    with pytest.raises(DraftsmithError, match="needs a .* decode preset"):
+        run(_cfg(tiny_model_dir, tmp_path / "eval2", f"method={method}", "decode=medusa-small",
+                 *extra[2:]))

@@ -1,0 +1,255 @@
+"""Draft-model proposer: a separate small causal LM proposes a chain or a small top-k tree.
+
+The draft is any HF causal LM over the verifier's vocabulary (e.g. the verifier truncated to
+its first layers, or a smaller model of the same family). It keeps its own KV cache
+(transformers ``DynamicCache``) in step with the emitted text:
+
+    prefill(prompt)       a fresh, empty draft cache
+    propose(root, ids)    feed the tokens the draft has not seen yet (the prompt and the root
+                          at the first step; later the root, plus the last accepted draft
+                          token when the whole draft was accepted) -> q at the root; then
+                          level by level: every node of depth d gets its children, and ONE
+                          draft forward over the new level (tree mask on the cache) gives q
+                          at each of them; the deepest level is never fed
+    accept(path)          the draft cache is compacted to the committed tokens plus the
+                          accepted draft nodes it already holds (decode.cache.compact_cache)
+
+so after every step the draft's cache equals a fresh prefill of ids[:cached] (tested).
+
+Lossless by the engine's rules. Greedy (temperature 0): the children of a node are the draft's
+top-``width`` tokens (a chain takes the argmax), and the greedy rule accepts exactly the
+verifier's argmax path. Sampling: the children of node u are drawn one after another without
+replacement from q_u = logits_to_probs(draft logits, T, top_k, top_p), the same transform the
+engine applies to the verifier, and q_u is reported in ``DraftTree.draft_probs`` with
+``sampled[u]`` set, so recursive rejection sampling is exact (decode/sampling.py). The draws
+use the proposer's own generator (``seed``); any q works, a closer q is only accepted more.
+
+Draft length. ``length_schedule="fixed"`` drafts ``num_tokens`` each step; ``"heuristic"``
+(HF assisted generation's schedule) adds 2 after a step whose whole draft was accepted and
+takes 1 off otherwise, within [min_tokens, max_tokens], and keeps the length across generate
+calls. ``confidence > 0`` stops growing a branch below depth 1 when the draft's largest
+probability at its tip is below the threshold. Both stay lossless: a step's tree shape
+depends only on earlier steps and on the draft's own state and draws, never on this step's
+verification, and the rules are exact for any tree so drafted.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from decode.cache import check_compactable, compact_cache
+from decode.proposers import DraftTree, Proposer, SamplingParams
+from decode.sampling import logits_to_probs
+from decode.tree import ancestor_mask
+from models.errors import DraftsmithError, choose
+
+LENGTH_SCHEDULES = {"fixed": "fixed", "heuristic": "heuristic"}
+TREE_MASK_ATTENTION = ("eager", "sdpa")
+
+
+def sample_without_replacement(
+    q: torch.Tensor, width: int, generator: torch.Generator
+) -> list[int]:
+    """Up to ``width`` distinct tokens drawn one after another from q (V,), each from q with the
+    earlier draws zeroed and renormalised (the law ``rejection_walk`` assumes for siblings);
+    fewer when q has fewer tokens with mass."""
+    out: list[int] = []
+    q = q.clone()  # (V,)
+    for _ in range(width):
+        x = int(torch.multinomial(q, 1, generator=generator))
+        out.append(x)
+        q[x] = 0.0
+        mass = float(q.sum())
+        if not mass > 0:
+            break
+        q /= mass
+    return out
+
+
+def level_mask(
+    parents: Sequence[int], start: int, committed: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(1, 1, m, committed + n - 1) additive mask for feeding tree nodes start..n-1 (one level)
+    to a cache that holds ``committed`` tokens (the root last) and then nodes 1..start-1.
+
+    Node i may attend to every committed token, and to the fed nodes that are i itself or its
+    ancestors (the root is the last committed column)."""
+    anc = ancestor_mask(list(parents)).to(device)  # (n, n)
+    m = anc.shape[0] - start
+    allowed = torch.cat(
+        [torch.ones(m, committed, dtype=torch.bool, device=device), anc[start:, 1:]], dim=1
+    )  # (m, committed + n - 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class DraftModelProposer(Proposer):
+    """A separate causal LM drafts a chain (``tree_topk=()``) or a top-k tree.
+
+    Args:
+      model: the draft (HF causal LM); its output vocabulary must equal the verifier's.
+      vocab_size: the verifier's vocabulary size (its lm_head rows).
+      num_tokens: draft depth per step (the starting depth with the heuristic schedule).
+      tree_topk: children per node at depth 1, 2, ... (deeper: 1), e.g. [2, 1] = two branches
+        from the root, each continued as a chain. () = a chain.
+      length_schedule: "fixed" or "heuristic" (+2 on full acceptance, -1 otherwise).
+      min_tokens / max_tokens: bounds of the heuristic schedule (max defaults to 2*num_tokens).
+      confidence: stop a branch below depth 1 when its largest draft probability is below this
+        (0 = off). The probability is of q at temperature > 0, of softmax(logits) when greedy.
+      seed: seed of the proposer's own generator for the draft's samples.
+    """
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        vocab_size: int,
+        num_tokens: int = 4,
+        tree_topk: Sequence[int] = (),
+        length_schedule: str = "fixed",
+        min_tokens: int = 1,
+        max_tokens: int | None = None,
+        confidence: float = 0.0,
+        seed: int = 0,
+    ):
+        lm_head = model.get_output_embeddings()
+        draft_vocab = int(lm_head.weight.shape[0])
+        if draft_vocab != int(vocab_size):
+            raise DraftsmithError(
+                f"the draft model's vocabulary has {draft_vocab} tokens but the verifier's has {vocab_size}: "
+                "pass a draft that shares the verifier's tokenizer (drafter=...)"
+            )
+        self.length_schedule = choose(LENGTH_SCHEDULES, length_schedule, "decode.length_schedule")
+        max_tokens = 2 * num_tokens if max_tokens is None else max_tokens
+        if not 1 <= min_tokens <= num_tokens <= max_tokens:
+            raise DraftsmithError(
+                f"decode.min_tokens={min_tokens}, decode.num_tokens={num_tokens}, decode.max_tokens={max_tokens}: "
+                "need 1 <= min_tokens <= num_tokens <= max_tokens"
+            )
+        widths = [int(w) for w in tree_topk]
+        if any(w < 1 for w in widths):
+            raise DraftsmithError(f"decode.tree_topk={widths}: every width must be >= 1")
+        if not 0.0 <= confidence < 1.0:
+            raise DraftsmithError(f"decode.confidence={confidence}: must be in [0, 1) (0 = off)")
+        attn = getattr(model.config, "_attn_implementation", None)
+        if any(w > 1 for w in widths) and attn not in TREE_MASK_ATTENTION:
+            raise DraftsmithError(
+                f"decode.tree_topk={widths} needs a tree mask, which attn_implementation={attn!r} cannot take: "
+                "load the draft with attn_implementation='sdpa', or use a chain (decode.tree_topk=[])"
+            )
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = lm_head
+        self.device = lm_head.weight.device
+        self.widths = [min(w, draft_vocab) for w in widths]
+        self.length = int(num_tokens)
+        self.min_tokens, self.max_tokens = int(min_tokens), int(max_tokens)
+        self.confidence = float(confidence)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampling: SamplingParams | None = None
+        self.cache: DynamicCache | None = None
+        self.cached = 0  # tokens in the draft cache that are committed text (ids[:cached])
+        self.fed = 0  # tree nodes 1..fed of the last proposal sit in the cache after them
+
+    @property
+    def max_depth(self) -> int:
+        return self.max_tokens if self.length_schedule == "heuristic" else self.length
+
+    def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
+        """A fresh draft cache; the prompt is fed with the first root in the first ``propose``
+        (one draft forward fewer than a separate prefill)."""
+        self.sampling = sampling
+        self.cache = DynamicCache(config=self.model.config)
+        check_compactable(self.cache)
+        self.cached, self.fed = 0, 0
+
+    def _logits(self, tokens: list[int], mask=None, position_ids=None, last_only: bool = False) -> torch.Tensor:
+        """Feed tokens to the draft on its cache -> (m, V) logits (or (1, V) of the last token
+        only) in at least float32."""
+        hidden = self.decoder(
+            input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+            attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
+        ).last_hidden_state[0]  # (m, H)
+        logits = self.lm_head(hidden[-1:] if last_only else hidden)  # (m, V) or (1, V)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _law(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """(m, V) logits -> (m, V) the draft law q (sampling), or softmax (greedy, only when a
+        confidence threshold needs it), or None."""
+        s = self.sampling
+        if not s.greedy:
+            return logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
+        return torch.softmax(logits, dim=-1) if self.confidence > 0 else None
+
+    @torch.inference_mode()
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        if self.sampling is None:
+            raise RuntimeError("DraftModelProposer.propose before prefill: run it through decode.engine.generate")
+        greedy = self.sampling.greedy
+        committed = len(ids)  # after the next forward the draft cache holds all of ids, root last
+        logits = self._logits(ids[self.cached :], last_only=True)  # (1, V) the draft's logits at the root
+        self.cached = committed
+        tokens, parents, depths = [root], [-1], [0]
+        laws: dict[int, torch.Tensor] = {}  # node -> (V,) the law its children were sampled from
+        frontier, fed, chain = [0], 0, True
+        for d in range(1, self.length + 1):
+            width = self.widths[d - 1] if d - 1 < len(self.widths) else 1
+            law = self._law(logits)  # (m, V) or None
+            new: list[int] = []
+            for row, u in enumerate(frontier):
+                if d > 1 and self.confidence > 0 and float(law[row].max()) < self.confidence:
+                    continue  # the draft is unsure here: this branch stops
+                if greedy:
+                    children = torch.topk(logits[row], width).indices.tolist()
+                else:
+                    children = sample_without_replacement(law[row], width, self.generator)
+                    laws[u] = law[row]
+                for x in children:
+                    tokens.append(x)
+                    parents.append(u)
+                    depths.append(d)
+                    new.append(len(tokens) - 1)
+            chain = chain and len(new) == 1
+            if not new or d == self.length:
+                break
+            if chain:  # causal order = the tree: the model's own mask and positions
+                logits = self._logits([tokens[new[0]]])  # (1, V)
+            else:
+                mask = level_mask(parents, new[0], committed, self.model.dtype, self.device)
+                position_ids = torch.tensor([[committed - 1 + depths[i] for i in new]], device=self.device)  # (1, m)
+                logits = self._logits([tokens[i] for i in new], mask, position_ids)  # (m, V)
+            fed = new[-1]
+            frontier = new
+        self.fed = fed
+        self.drafted_depth = max(depths)
+        return self._tree(tokens, parents, laws)
+
+    def _tree(self, tokens: list[int], parents: list[int], laws: dict[int, torch.Tensor]) -> DraftTree:
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # (n,)
+        parents_t = torch.tensor(parents, dtype=torch.long, device=self.device)  # (n,)
+        if not laws:  # greedy: every child is a deterministic function of the draft state
+            return DraftTree(tokens=tokens_t, parents=parents_t)
+        first = next(iter(laws.values()))
+        draft_probs = torch.zeros(len(tokens), first.numel(), dtype=first.dtype, device=self.device)  # (n, V)
+        sampled = torch.zeros(len(tokens), dtype=torch.bool, device=self.device)  # (n,)
+        for u, q in laws.items():
+            draft_probs[u] = q
+            sampled[u] = True
+        return DraftTree(tokens=tokens_t, parents=parents_t, draft_probs=draft_probs, sampled=sampled)
+
+    @torch.inference_mode()
+    def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor) -> None:
+        # The root sits at slot cached - 1 and fed node j at slot cached - 1 + j; the accepted
+        # nodes the draft already holds are a prefix of the path (they are the shallow ones).
+        kept = [node for node in path[1:] if node <= self.fed]
+        compact_cache(self.cache, self.cached - 1, [0, *kept])
+        self.cached += len(kept)
+        self.fed = 0
+        if self.length_schedule == "heuristic":
+            if len(path) - 1 == self.drafted_depth:
+                self.length = min(self.max_tokens, self.length + 2)
+            else:
+                self.length = max(self.min_tokens, self.length - 1)

@@ -1,0 +1,217 @@
+"""Draft-free proposers: prompt lookup (n-gram match) and lookahead decoding (Jacobi + n-gram pool).
+
+Both propose DETERMINISTIC candidates (q = delta): token paths hanging off the root, merged
+into a trie (``build_trie``) so that siblings carry distinct tokens and every node is one
+distinct context. The verifier scores the whole trie in one forward and the engine's rule
+(greedy, or recursive rejection sampling with deterministic children) accepts only tokens it
+has checked against the verifier, so both are lossless at any temperature.
+
+Prompt lookup (Saxena 2023; HF ``prompt_lookup_num_tokens``): find the last n tokens
+(max_ngram down to min_ngram) earlier in prompt + output, propose the num_tokens that followed
+the match. The most recent match first; ``num_matches > 1`` merges several continuations.
+
+Lookahead decoding (Fu et al. 2024): a Jacobi window of N-1 levels x W columns and a pool of
+n-grams keyed by their first token. Cell (l, i) of the window sits at depth i + 1 + l and sees
+the root, level-0 cells 0..i and the cells of column i above it, i.e. it is the trie node of
+the path ``level0[:i+1] + column_i[1:l+1]``: the lookahead branch IS a set of root paths,
+verified with the same rule as the verification branch (up to G pooled n-grams starting with
+the root), all in the SAME verifier forward. After the forward, the verifier's argmax at each
+top-level cell (its lm_head over the engine's ``hidden``; the proposer is given the lm_head)
+is the next Jacobi level; each column then yields an n-gram
+(level0[i], ..., level_{N-2}[i], new[i]) for the pool and the oldest level is dropped.
+"""
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from decode.proposers import DraftTree, Proposer, SamplingParams
+from models.errors import DraftsmithError
+
+
+def build_trie(
+    root: int, paths: Sequence[Sequence[int]]
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """Merge token paths that hang off ``root`` into one tree (a trie).
+
+    Returns (tokens, parents, nodes): tokens (n,) and parents (n,) of the trie with node 0 the
+    root and nodes in topological order (a node is created after its parent); nodes[k][j] is
+    the trie node holding paths[k][j]. Two paths share a node exactly when they share the
+    prefix up to it, so siblings carry distinct tokens and equal contexts are verified once.
+    """
+    tokens, parents = [int(root)], [-1]
+    children: list[dict[int, int]] = [{}]
+    nodes: list[list[int]] = []
+    for path in paths:
+        u, here = 0, []
+        for t in path:
+            t = int(t)
+            v = children[u].get(t)
+            if v is None:
+                v = len(tokens)
+                tokens.append(t)
+                parents.append(u)
+                children.append({})
+                children[u][t] = v
+            u = v
+            here.append(v)
+        nodes.append(here)
+    return tokens, parents, nodes
+
+
+def ngram_continuations(
+    ids: torch.Tensor, max_ngram: int, min_ngram: int, num_tokens: int, num_matches: int = 1
+) -> list[list[int]]:
+    """Continuations of earlier occurrences of the last n tokens of ids (L,), n = max..min.
+
+    Longer n-grams first; for each n the most recent occurrence first (an occurrence must be
+    followed by at least one token, so the trailing n-gram never matches itself). Each
+    continuation is the up to ``num_tokens`` tokens after the occurrence; duplicates are
+    skipped; at most ``num_matches`` are returned.
+    """
+    length = ids.numel()
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = ids[: length - 1].unfold(0, n, 1)  # (L - n, n): window i = ids[i:i+n], i + n < L
+        hits = (windows == ids[length - n :]).all(dim=1).nonzero().flatten()  # (h,) start indices
+        for i in reversed(hits.tolist()):
+            cont = ids[i + n : i + n + num_tokens].tolist()
+            if tuple(cont) in seen:
+                continue
+            seen.add(tuple(cont))
+            out.append(cont)
+            if len(out) == num_matches:
+                return out
+    return out
+
+
+def _deterministic_tree(tokens: list[int], parents: list[int], device) -> DraftTree:
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+    )
+
+
+class PromptLookupProposer(Proposer):
+    """N-gram match of the last tokens in prompt + output; the continuation is the draft.
+
+    num_tokens: tokens proposed per continuation; max_ngram / min_ngram: n-gram sizes tried,
+    longest first; num_matches: continuations merged into a trie (1 = a chain).
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(
+        self,
+        num_tokens: int = 10,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_matches: int = 1,
+        device: torch.device | str = "cpu",
+    ):
+        if not 1 <= min_ngram <= max_ngram:
+            raise DraftsmithError(
+                f"decode.min_ngram={min_ngram}, decode.max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram"
+            )
+        if num_tokens < 1 or num_matches < 1:
+            raise DraftsmithError(
+                f"decode.num_tokens={num_tokens}, decode.num_matches={num_matches}: both must be >= 1"
+            )
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.num_matches = num_matches
+        self.device = torch.device(device)
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_tokens
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        conts = ngram_continuations(
+            torch.tensor(ids, dtype=torch.long), self.max_ngram, self.min_ngram, self.num_tokens, self.num_matches
+        )
+        tokens, parents, _ = build_trie(root, conts)
+        return _deterministic_tree(tokens, parents, self.device)
+
+
+class LookaheadProposer(Proposer):
+    """Lookahead decoding: Jacobi window (W columns, N-1 levels), n-gram pool, guess set G.
+
+    lm_head: the verifier's output embedding (its logits at the window's cells drive the Jacobi
+    update). window: W; ngram: N (>= 2); guess_set: G, n-grams verified per step and kept per
+    key in the pool (least recently produced dropped first); pool_from_prompt: also seed the
+    pool with the prompt's n-grams; seed: the window's first level is drawn from the prompt.
+    """
+
+    name = "lookahead"
+
+    def __init__(
+        self,
+        lm_head: nn.Module,
+        window: int = 5,
+        ngram: int = 4,
+        guess_set: int = 5,
+        pool_from_prompt: bool = False,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ):
+        if window < 1 or ngram < 2 or guess_set < 0:
+            raise DraftsmithError(
+                f"decode.window={window}, decode.ngram={ngram}, decode.guess_set={guess_set}: "
+                "need window >= 1, ngram >= 2, guess_set >= 0"
+            )
+        self.lm_head = lm_head
+        self.window, self.ngram, self.guess_set = window, ngram, guess_set
+        self.pool_from_prompt = pool_from_prompt
+        self.seed = seed
+        self.device = torch.device(device) if device is not None else lm_head.weight.device
+        self.levels: list[list[int]] = []  # Jacobi trajectory, oldest level first, each W tokens
+        self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self.top_cells: list[int] = []  # trie node of each column's newest cell in the last tree
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.window + self.ngram - 2, self.ngram - 1)
+
+    def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
+        prompt = prompt_ids.cpu()
+        g = torch.Generator().manual_seed(self.seed)
+        pick = torch.randint(0, prompt.numel(), (self.window,), generator=g)  # (W,)
+        self.levels = [prompt[pick].tolist()]
+        self.pool = {}
+        if self.pool_from_prompt and prompt.numel() >= self.ngram:
+            for gram in prompt.unfold(0, self.ngram, 1).tolist():  # (T - N + 1, N)
+                self.add_ngram(gram)
+
+    def add_ngram(self, gram: Sequence[int]) -> None:
+        """Pool the n-gram under its first token (most recent last, at most G per key)."""
+        if self.guess_set == 0:
+            return
+        entries = self.pool.setdefault(int(gram[0]), OrderedDict())
+        key = tuple(int(t) for t in gram[1:])
+        entries[key] = None
+        entries.move_to_end(key)
+        while len(entries) > self.guess_set:
+            entries.popitem(last=False)
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        guesses = list(reversed(self.pool.get(root, {})))[: self.guess_set]  # most recent first
+        level0 = self.levels[0]
+        columns = [
+            level0[: i + 1] + [level[i] for level in self.levels[1:]] for i in range(self.window)
+        ]  # column i: the root path of its newest cell
+        tokens, parents, nodes = build_trie(root, [*guesses, *columns])
+        self.top_cells = [path[-1] for path in nodes[len(guesses) :]]  # (W,)
+        return _deterministic_tree(tokens, parents, self.device)
+
+    @torch.inference_mode()
+    def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor) -> None:
+        cells = torch.tensor(self.top_cells, dtype=torch.long, device=hidden.device)  # (W,)
+        new = self.lm_head(hidden[cells]).argmax(dim=-1).tolist()  # (W,) one Jacobi step per column
+        if len(self.levels) == self.ngram - 1:  # full window: harvest one n-gram per column
+            for i in range(self.window):
+                self.add_ngram([level[i] for level in self.levels] + [new[i]])
+            self.levels = self.levels[1:]
+        self.levels.append(new)

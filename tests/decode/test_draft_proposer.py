@@ -1,0 +1,324 @@
+"""decode/draft.py: a separate draft LM as proposer, lossless through the engine.
+
+- greedy identity with ``model.generate(do_sample=False)`` for chains, top-k trees, the
+  heuristic length schedule, a confidence threshold, and a draft of another architecture;
+- the draft's KV cache equals a fresh prefill of the tokens it holds at every step;
+- at temperature > 0 the reported q is the draft's own law after the engine's transform, and
+  the first 3 tokens follow the verifier's exact law (chi-square + TV, mirroring
+  tests/decode/test_engine.py) with a draft whose q is far from p, for a chain, a tree and an
+  adaptive/confidence-cut draft; a rule that resamples from p after a rejection fails it.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from decode import sampling
+from decode.draft import DraftModelProposer, level_mask, sample_without_replacement
+from decode.engine import generate
+from decode.sampling import logits_to_probs
+from models.errors import DraftsmithError
+from tests.decode.test_engine import (
+    LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference,
+)
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def noisy_copy(model, noise: float, seed: int = 1):
+    """The verifier with Gaussian noise on its lm_head: agrees often, not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = draft.lm_head.weight
+        w.add_(noise * torch.randn(w.shape, generator=g, dtype=w.dtype))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def models():
+    verifier = tiny_llama(eos_token_id=None)
+    close = noisy_copy(verifier, 0.008)  # greedy tau ~2 (chain) / ~2.5 (tree [2, 2])
+    # another architecture (1 layer, hidden 16): rarely right, so nearly every step rejects
+    other = tiny_llama(seed=5, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    # the same greedy proposals as `close`, but a peaked softmax (random tiny Llamas are nearly
+    # uniform), so a confidence threshold of 0.5 cuts about half of the branches
+    peaked = copy.deepcopy(close)
+    peaked.lm_head.weight.data *= 30
+    return verifier, {"close": close, "other": other, "peaked": peaked}
+
+
+GREEDY_CASES = {
+    # name: (draft, proposer kwargs)
+    "chain4": ("close", dict(num_tokens=4)),
+    "tree-2-2": ("close", dict(num_tokens=4, tree_topk=[2, 2])),
+    "tree-3": ("close", dict(num_tokens=3, tree_topk=[3])),
+    "heuristic": ("close", dict(num_tokens=2, length_schedule="heuristic", max_tokens=8)),
+    "confidence": ("peaked", dict(num_tokens=6, tree_topk=[2], confidence=0.5)),
+    "other-arch-tree": ("other", dict(num_tokens=3, tree_topk=[4, 2])),
+}
+
+
+def make(models, case: str) -> DraftModelProposer:
+    verifier, drafts = models
+    draft, kwargs = GREEDY_CASES[case]
+    return DraftModelProposer(drafts[draft], verifier.config.vocab_size, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
+def test_greedy_identity(models, case, monkeypatch):
+    verifier = models[0]
+    proposer = make(models, case)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", recorder)
+    sizes = []
+    for seed, n in [(100, 40), (101, 40), (102, 7), (103, 1), (104, 2)]:
+        ids = prompt(seed)
+        out = generate(verifier, ids, proposer=proposer, max_new_tokens=n)
+        assert out.tokens == reference(verifier, ids, max_new_tokens=n), (case, seed)
+        sizes += [s.num_nodes for s in out.steps]
+    depths = [len(p) - 1 for p in recorder.paths]
+    assert min(depths) == 0  # rejections ran
+    if case != "other-arch-tree":
+        assert max(depths) >= 2  # several draft tokens accepted in one step
+    if case.startswith("tree"):  # a later sibling was accepted: the draft cache kept a non-prefix path
+        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+    if case in ("heuristic", "confidence"):
+        assert len(set(sizes)) >= 3, sizes  # the draft length really changed
+
+
+def test_greedy_identity_eos(models):
+    verifier = models[0]
+    proposer = make(models, "chain4")
+    ids = prompt(105)
+    free = reference(verifier, ids, max_new_tokens=30)
+    for eos in ([free[11]], [free[0]], [free[20], free[6]]):
+        ref = reference(verifier, ids, max_new_tokens=30, eos_token_id=eos)
+        out = generate(verifier, ids, proposer=proposer, max_new_tokens=30, eos_token_id=eos)
+        assert out.tokens == ref and out.stop_reason == "eos"
+
+
+def assert_cache_is_prefill(model, cache: DynamicCache, tokens: list[int]) -> None:
+    """Every layer's keys/values equal those of one fresh forward over ``tokens``."""
+    fresh = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.get_decoder()(input_ids=torch.tensor([tokens]), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == len(tokens)
+    for got, want in zip(cache.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-10)
+
+
+class CheckedDraft(DraftModelProposer):
+    """After every acceptance the draft cache must be a fresh prefill of the committed text it
+    holds, and at most the last accepted draft token and the next root may be unseen."""
+
+    checks = 0
+
+    def propose(self, root, hidden, ids):
+        self.ids = list(ids)
+        return super().propose(root, hidden, ids)
+
+    def accept(self, tree, path, next_token, hidden):
+        super().accept(tree, path, next_token, hidden)
+        text = self.ids + tree.tokens[path[1:]].tolist() + [next_token]
+        assert len(text) - 2 <= self.cached < len(text)
+        assert_cache_is_prefill(self.model, self.cache, text[: self.cached])
+        self.checks += 1
+
+
+@pytest.mark.parametrize("case", ["chain4", "tree-2-2", "heuristic"])
+@pytest.mark.parametrize("temperature", [0.0, 0.05])  # 0.05: tiny random Llamas are near-uniform at 1
+def test_draft_cache_stays_in_sync(models, case, temperature):
+    verifier, drafts = models
+    _, kwargs = GREEDY_CASES[case]
+    proposer = CheckedDraft(drafts["close"], verifier.config.vocab_size, **kwargs)
+    out = generate(verifier, prompt(106), proposer=proposer, max_new_tokens=30, temperature=temperature,
+                   generator=torch.Generator().manual_seed(0))
+    assert proposer.checks == len(out.steps) >= 5
+    accepted = [s.accepted for s in out.steps]
+    assert min(accepted) == 0 and max(accepted) >= 2  # rejected and multi-token steps were checked
+
+
+def test_reported_q_is_the_drafts_own_law(models):
+    """At T > 0 each sampled node reports q = logits_to_probs(draft logits) and its children
+    are distinct tokens with q > 0 (drawn without replacement)."""
+    verifier, drafts = models
+    close = drafts["close"]
+    proposer = DraftModelProposer(close, verifier.config.vocab_size, num_tokens=2, tree_topk=[3, 2])
+    ids = prompt(107)[0]
+    params = sampling_params(0.7, top_k=20, top_p=0.9)
+    proposer.prefill(ids, torch.zeros(len(ids), 1), params)
+    root = 42
+    tree = proposer.propose(root, torch.zeros(1), [*ids.tolist(), root])
+    with torch.no_grad():
+        logits = close(torch.tensor([[*ids.tolist(), root]])).logits[0, -1]  # (V,)
+    torch.testing.assert_close(tree.draft_probs[0], logits_to_probs(logits, 0.7, 20, 0.9), rtol=0, atol=1e-12)
+    parents = tree.parents.tolist()
+    assert parents == [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert tree.sampled.tolist() == [True, True, True, True] + [False] * 6
+    for u in range(4):
+        kids = [c for c in range(len(parents)) if parents[c] == u]
+        toks = tree.tokens[kids]
+        assert toks.unique().numel() == len(kids)
+        assert bool((tree.draft_probs[u, toks] > 0).all())
+    # the depth-1 rows are the draft's law after root + that child (the tree mask was right)
+    for c in (1, 2, 3):
+        with torch.no_grad():
+            lc = close(torch.tensor([[*ids.tolist(), root, int(tree.tokens[c])]])).logits[0, -1]
+        torch.testing.assert_close(tree.draft_probs[c], logits_to_probs(lc, 0.7, 20, 0.9), rtol=0, atol=1e-12)
+
+
+def sampling_params(temperature, top_k=0, top_p=1.0):
+    from decode.proposers import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def test_sample_without_replacement_and_level_mask():
+    q = torch.tensor([0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    draws = [tuple(sample_without_replacement(q, 2, g)) for _ in range(4000)]
+    assert all(len(set(d)) == 2 and 1 not in d for d in draws)
+    first = torch.tensor([d[0] for d in draws])
+    assert abs(float((first == 0).double().mean()) - 0.5) < 0.03
+    # second draw given first = 0 is q without 0: 0.6 / 0.4
+    second = torch.tensor([d[1] for d in draws if d[0] == 0])
+    assert abs(float((second == 2).double().mean()) - 0.6) < 0.04
+    assert sample_without_replacement(q, 5, g).__len__() == 3  # only 3 tokens have mass
+    # level mask: tree root(0) -> 1, 2; 1 -> 3; 2 -> 4; feeding level {3, 4} on 5 committed tokens
+    mask = level_mask([-1, 0, 0, 1, 2], start=3, committed=5, dtype=torch.float64, device=torch.device("cpu"))
+    allowed = (mask[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1, 0, 1]]
+
+
+def test_config_errors_are_one_line(models):
+    verifier = models[0]
+    small_vocab = tiny_llama(vocab_size=64)
+    with pytest.raises(DraftsmithError, match="vocabulary has 64 tokens but the verifier's has 128") as info:
+        DraftModelProposer(small_vocab, verifier.config.vocab_size)
+    assert "\n" not in str(info.value)
+    with pytest.raises(DraftsmithError, match="decode.length_schedule='grow'.*valid: fixed, heuristic"):
+        DraftModelProposer(models[1]["close"], 128, length_schedule="grow")
+    with pytest.raises(DraftsmithError, match="decode.min_tokens"):
+        DraftModelProposer(models[1]["close"], 128, num_tokens=4, max_tokens=2)
+    eager_free = tiny_llama()
+    eager_free.config._attn_implementation = "flash_attention_2"  # takes no 4D float mask
+    with pytest.raises(DraftsmithError, match="decode.tree_topk"):
+        DraftModelProposer(eager_free, 128, tree_topk=[2])
+    DraftModelProposer(eager_free, 128)  # a chain needs no tree mask
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling law: the draft's q is far from the verifier's p
+
+DRAFT_LAW_SAMPLES = 6_000  # ~5 ms per sample on an idle core: ~30 s per case
+
+
+def tv_bound(law: torch.Tensor, n: int, slack: float = 0.015) -> float:
+    """TV distance that n exact samples stay below: the expected sampling noise
+    0.5 * sum_x E|freq(x) - law(x)| ~ 0.5 * sum_x sqrt(2 law(x) (1 - law(x)) / (pi n)) (~0.035
+    for these laws at n = 6000) plus ``slack``, the bias this check can see."""
+    noise = 0.5 * float(torch.sqrt(2 * law * (1 - law) / (torch.pi * n)).sum())
+    return noise + slack
+
+
+def law_draft(logit_scale: float):
+    """A 1-layer draft over the same 8 tokens with its own random weights: q far from p."""
+    draft = tiny_llama(vocab_size=V, eos_token_id=None, pad_token_id=None, seed=16, num_hidden_layers=1)
+    draft.lm_head.weight.data *= logit_scale
+    return draft
+
+
+LAW_CASES = {
+    # name: (verifier logit scale, proposer kwargs, temperature, top_k, top_p)
+    "chain-T1": (25.0, dict(num_tokens=2), 1.0, 0, 1.0),
+    "tree-T0.7-topp0.9": (10.0, dict(num_tokens=2, tree_topk=[2, 2]), 0.7, 0, 0.9),
+    "heuristic-confidence-T1-topk6": (
+        25.0, dict(num_tokens=2, length_schedule="heuristic", min_tokens=2, max_tokens=4, confidence=0.3,
+                   tree_topk=[2]), 1.0, 6, 1.0),
+}
+
+
+def first_token_tv(model, draft, temperature, top_k, top_p) -> float:
+    with torch.no_grad():
+        p = logits_to_probs(model(LAW_PROMPT).logits[0, -1], temperature, top_k, top_p)
+        q = logits_to_probs(draft(LAW_PROMPT).logits[0, -1], temperature, top_k, top_p)
+    return 0.5 * float((p - q).abs().sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAW_CASES))
+def test_sampling_law(case, monkeypatch):
+    scale, kwargs, temperature, top_k, top_p = LAW_CASES[case]
+    model, draft = law_model(scale), law_draft(10.0)
+    assert first_token_tv(model, draft, temperature, top_k, top_p) > 0.5  # q really differs from p
+    law = exact_law(model, temperature, top_k, top_p)
+    proposer = DraftModelProposer(draft, V, seed=3, **kwargs)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
+    sizes: list[int] = []
+    record_sizes(monkeypatch, proposer, sizes)
+    counts = engine_counts(model, proposer, DRAFT_LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    pvalue, tv, impossible = law_test(counts, law)
+    assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
+    assert pvalue > 1e-3, (pvalue, tv)
+    assert tv < tv_bound(law, DRAFT_LAW_SAMPLES), (pvalue, tv)
+    depths = [len(p) - 1 for p in recorder.paths]
+    assert min(depths) == 0 and max(depths) >= 2
+    if "tree" in case:
+        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+    if "heuristic" in case:
+        assert len(set(sizes)) >= 3, set(sizes)  # length and confidence cuts changed the tree
+
+
+def record_sizes(monkeypatch, proposer, sizes: list[int]) -> None:
+    propose = proposer.propose
+
+    def recording(*args):
+        tree = propose(*args)
+        sizes.append(tree.size)
+        return tree
+
+    monkeypatch.setattr(proposer, "propose", recording)
+
+
+def resample_from_p_walk(tokens, parents, target_probs, draft_probs, sampled, generator):
+    """BROKEN ON PURPOSE (a chain rule): accepts x ~ q with min(1, p(x)/q(x)) as it should,
+    but after a rejection draws from p instead of norm((p - q)+), which over-weights the
+    tokens q also likes."""
+    tok, plist = tokens.tolist(), parents.tolist()
+    path, u = [0], 0
+    while True:
+        p, q = target_probs[u], draft_probs[u]
+        child = next((c for c in range(1, len(plist)) if plist[c] == u), None)
+        if child is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        x = tok[child]
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, float(p[x] / q[x])):
+            path.append(child)
+            u = child
+        else:
+            return path, int(torch.multinomial(p, 1, generator=generator))  # bug: should be (p - q)+
+
+
+@pytest.mark.slow
+def test_sampling_law_catches_a_broken_rule(monkeypatch):
+    scale, kwargs, temperature, top_k, top_p = LAW_CASES["chain-T1"]
+    model, draft = law_model(scale), law_draft(10.0)
+    law = exact_law(model, temperature, top_k, top_p)
+    proposer = DraftModelProposer(draft, V, seed=3, **kwargs)
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", resample_from_p_walk)
+    counts = engine_counts(model, proposer, 1_000, temperature, top_k, top_p, seed=1)
+    pvalue, tv, _ = law_test(counts, law)
+    assert pvalue < 1e-6, (pvalue, tv)

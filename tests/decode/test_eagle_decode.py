@@ -1,0 +1,307 @@
+"""decode/eagle.py through the engine: EAGLE-1/3 proposers are lossless and draft what they claim.
+
+- greedy identity with HF ``generate`` for a chain, a static tree and an EAGLE-2 dynamic tree,
+  with drafters briefly fitted to the verifier (multi-token acceptance AND rejections happen);
+- every drafted node is the drafter's own top-k on its path, recomputed from scratch without
+  any cache (so the drafter's KV cache, positions and tree masks are right);
+- the sampling law of the first 3 tokens (chi-square + TV) for chain, static and dynamic trees,
+  and a deliberately broken rule fails it with an EAGLE-2 tree;
+- the engine asks the verifier for extra layers only when a proposer needs them.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode import sampling
+from decode.engine import generate
+from decode.proposers import make_proposer
+from models.eagle import EagleConfig, EagleDrafter, draft_vocab_from_counts
+from tests.decode.test_engine import (LAW_PROMPT, V, RecordingRule, exact_law, law_model, law_test,
+                                      residual_from_p_walk, tree_paths)
+from tests.tiny import tiny_llama
+from train.eagle import eagle_loss
+
+CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+DYNAMIC = dict(depth=4, top_k=3, total_tokens=10)
+TREES = {"chain": dict(paths=CHAIN), "static": dict(paths=STATIC), "dynamic": DYNAMIC}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def greedy_corpus(model, n: int = 32, prompt_len: int = 8, new: int = 40, seed: int = 0) -> torch.Tensor:
+    prompts = torch.randint(4, 100, (n, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=new, eos_token_id=None, pad_token_id=1)  # (n, prompt_len + new)
+
+
+def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vocab: int | None = None):
+    """An EAGLE drafter fitted for `steps` Adam steps to the model's greedy continuations, with the
+    trainer's own loss: top-1 ~0.6, so trees accept several tokens and still get rejected."""
+    seqs = greedy_corpus(model)
+    layers = [0, 1, 1] if variant == "eagle3" else []
+    extra = dict(draft_vocab_size=draft_vocab, lm_head="own") if draft_vocab else {}
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(model.config.hidden_size, model.config.vocab_size, model.config.to_dict(),
+                                       variant=variant, fusion_layers=layers, **extra)).to(model.dtype)
+    with torch.no_grad():
+        out = model.model(seqs, output_hidden_states=True)
+        inputs = {"hidden": out.last_hidden_state, "labels": seqs.clone(), "attention_mask": torch.ones_like(seqs),
+                  "embeds": model.get_input_embeddings()(seqs)}
+        if layers:
+            inputs["layer_hidden"] = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    if draft_vocab:
+        drafter.set_draft_vocab(draft_vocab_from_counts(torch.bincount(seqs.flatten(), minlength=128), draft_vocab),
+                                model.lm_head)
+    mcfg = SimpleNamespace(decay=0.8, w_feat=1.0, w_cls=1.0)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = eagle_loss(drafter, inputs, model.lm_head, mcfg, ttt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    torch.set_num_threads(1)
+    model = tiny_llama().requires_grad_(False)
+    drafters = {"eagle1": fitted_drafter(model, "eagle1"),
+                "eagle3": fitted_drafter(model, "eagle3", ttt=2, draft_vocab=64)}
+    return model, drafters
+
+
+def proposer_for(model, drafter, tree: str):
+    return make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
+                         lm_head=model.lm_head, **TREES[tree])
+
+
+def prompt(seed: int, length: int = 12) -> torch.Tensor:
+    return torch.randint(4, 100, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids, max_new_tokens, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=1, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", list(TREES))
+def test_greedy_identity(greedy_setup, variant, tree, monkeypatch):
+    model, drafters = greedy_setup
+    proposer = proposer_for(model, drafters[variant], tree)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", recorder)
+    steps = []
+    for seed, n in [(1, 40), (2, 40), (3, 7)]:
+        ids = prompt(seed, length=10 + seed)
+        out = generate(model, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
+        assert out.tokens == reference(model, ids, n, eos_token_id=None), (variant, tree, seed)
+        steps += out.steps
+    assert sum(s.emitted for s in steps) / len(steps) > 1.5  # multi-token acceptance...
+    assert any(s.accepted == 0 for s in steps)  # ...and rejections
+    if tree != "chain":  # a non-first child of the root accepted: the cache keep is not a prefix
+        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+    if tree == "dynamic":
+        assert all(s.num_nodes <= DYNAMIC["total_tokens"] for s in steps)
+        assert max(s.num_nodes for s in steps) == DYNAMIC["total_tokens"]
+
+
+def test_greedy_identity_with_eos(greedy_setup):
+    model, drafters = greedy_setup
+    ids = prompt(5)
+    free = reference(model, ids, 30, eos_token_id=None)
+    for tree in TREES:
+        ref = reference(model, ids, 30, eos_token_id=free[12])
+        out = generate(model, ids, proposer=proposer_for(model, drafters["eagle1"], tree), max_new_tokens=30,
+                       eos_token_id=free[12])
+        assert out.tokens == ref and out.stop_reason == "eos"
+
+
+class RecordingProposer:
+    """Wraps a proposer; keeps (ids, tree) of every step."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.name, self.feature_layers = inner.name, inner.feature_layers
+
+    def prefill(self, *args, **kwargs):
+        self.inner.prefill(*args, **kwargs)
+
+    def accept(self, *args, **kwargs):
+        self.inner.accept(*args, **kwargs)
+
+    def propose(self, root, hidden, ids):
+        tree = self.inner.propose(root, hidden, ids)
+        self.calls.append((list(ids), tree))
+        return tree
+
+
+@torch.no_grad()
+def drafter_next_log_probs(model, drafter, ids: list[int], drafted: list[int]) -> torch.Tensor:
+    """The drafter's log-probs (N,) after ids + drafted, from scratch: one verifier forward for the
+    real features, then the drafter over the whole pair sequence per drafted token, no cache."""
+    x = torch.tensor([ids])
+    out = model.model(x[:, :-1], output_hidden_states=True)
+    layers = drafter.config.fusion_layers
+    layer_hidden = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1) if layers else None
+    feats = drafter.input_features(out.last_hidden_state, layer_hidden)[0]  # (L-1, H): f_0 .. f_{L-2}
+    tokens = ids[1:]  # pair j = (x_{j+1}, f_j)
+    embed = model.get_input_embeddings()
+    for step in range(len(drafted) + 1):
+        pred = drafter(embed(torch.tensor([tokens])), feats[None])[0, -1]  # (H,) after the last token
+        if step == len(drafted):
+            return torch.log_softmax(drafter.logits(pred, model.lm_head), dim=-1)
+        tokens = tokens + [drafted[step]]
+        feats = torch.cat([feats, pred[None]])
+
+
+@pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_drafted_nodes_are_the_drafters_own_topk(greedy_setup, variant, tree):
+    model, drafters = greedy_setup
+    drafter = drafters[variant]
+    proposer = RecordingProposer(proposer_for(model, drafter, tree))
+    generate(model, prompt(7), proposer=proposer, max_new_tokens=16, eos_token_id=())
+    k = proposer.inner.top_k
+    for ids, t in proposer.calls[:4]:  # the first step (prompt pairs) and later ones (accepted pairs)
+        tokens, parents = t.tokens.tolist(), t.parents.tolist()
+        for u in range(len(tokens)):
+            kids = [c for c in range(1, len(tokens)) if parents[c] == u]
+            if not kids:
+                continue
+            path, v = [], u
+            while v > 0:
+                path.append(tokens[v])
+                v = parents[v]
+            logp = drafter_next_log_probs(model, drafter, ids, path[::-1])
+            top = drafter.to_target_ids(torch.topk(logp, k).indices).tolist()
+            kid_tokens = [tokens[c] for c in kids]
+            if tree == "static":
+                assert kid_tokens == top[: len(kids)]
+            else:
+                assert set(kid_tokens) <= set(top)
+
+
+def test_dynamic_tree_with_top1_is_the_chain(greedy_setup):
+    model, drafters = greedy_setup
+    chain = RecordingProposer(make_proposer("eagle", drafter=drafters["eagle1"], embed_tokens=model.get_input_embeddings(),
+                                            lm_head=model.lm_head, paths=CHAIN[:3]))
+    dyn = RecordingProposer(make_proposer("eagle", drafter=drafters["eagle1"], embed_tokens=model.get_input_embeddings(),
+                                          lm_head=model.lm_head, depth=3, top_k=1, total_tokens=4))
+    a = generate(model, prompt(8), proposer=chain, max_new_tokens=24, eos_token_id=())
+    b = generate(model, prompt(8), proposer=dyn, max_new_tokens=24, eos_token_id=())
+    assert a.tokens == b.tokens and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
+    assert all(x[1].tokens.tolist() == y[1].tokens.tolist() for x, y in zip(chain.calls, dyn.calls))
+
+
+def test_engine_asks_for_layers_only_when_needed(greedy_setup, monkeypatch):
+    model, drafters = greedy_setup
+    decoder = model.get_decoder()
+    seen = []
+    original = decoder.forward
+
+    def spy(*args, **kwargs):
+        seen.append(bool(kwargs.get("output_hidden_states")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", spy)  # the verifier's decoder only, not the drafter's
+    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8)
+    assert seen and not any(seen)
+    seen.clear()
+    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle3"], "chain"), max_new_tokens=8)
+    assert seen and all(seen)
+
+
+def test_bad_arguments_fail_clearly(greedy_setup):
+    model, drafters = greedy_setup
+    kwargs = dict(drafter=drafters["eagle1"], embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head)
+    with pytest.raises(ValueError, match="depth, top_k and total_tokens"):
+        make_proposer("eagle", **kwargs, depth=3)
+    with pytest.raises(ValueError, match="not both"):
+        make_proposer("eagle", **kwargs, paths=CHAIN, depth=3, top_k=2, total_tokens=5)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        make_proposer("eagle", drafter=drafters["eagle3"], embed_tokens=model.get_input_embeddings(),
+                      lm_head=model.lm_head, depth=2, top_k=65, total_tokens=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling law (tests/decode/test_engine.py's exact enumeration over a V = 8 vocabulary)
+
+LAW_SAMPLES = 3_000  # 7-15 ms per 3-token generate on the shared 2-core box: under a minute per case
+LAW_CASES = {
+    # name: (tree kwargs, logit scale, temperature, top_k, top_p)
+    "chain-T1-topk6": (dict(paths=tree_paths("chain4")), 25.0, 1.0, 6, 1.0),
+    "static-T0.7-topp0.9": (dict(paths=tree_paths("medusa-small")), 10.0, 0.7, 0, 0.9),
+    "dynamic-T1": (dict(depth=3, top_k=2, total_tokens=6), 10.0, 1.0, 0, 1.0),
+}
+
+
+def law_proposer(model, tree_kwargs, seed: int = 0):
+    """A random EAGLE-1 drafter on the law model (shared lm_head: its guesses are often right)."""
+    torch.manual_seed(seed)
+    drafter = EagleDrafter(EagleConfig(model.config.hidden_size, V, model.config.to_dict())).to(model.dtype)
+    return make_proposer("eagle", drafter=drafter.eval().requires_grad_(False),
+                         embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head, **tree_kwargs)
+
+
+def null_tv(law: torch.Tensor, n: int, reps: int = 200, q: float = 0.99) -> float:
+    """The q-quantile of the TV distance between n exact draws from `law` and `law`: the TV bound
+    scaled to the sample size (fewer samples than test_engine.py, whose fixed bound assumes 20k)."""
+    g = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(law, n * reps, replacement=True, generator=g).view(reps, n)  # (reps, n)
+    counts = torch.zeros(reps, law.numel(), dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(reps, n, dtype=torch.float64))  # (reps, V**3)
+    return float(torch.quantile(0.5 * (counts / n - law).abs().sum(-1), q))
+
+
+def law_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V**3, dtype=torch.float64)
+    for _ in range(n):
+        a, b, c = generate(model, LAW_PROMPT, proposer=proposer, max_new_tokens=3, temperature=temperature,
+                           top_k=top_k, top_p=top_p, generator=g, eos_token_id=()).tokens
+        counts[(a * V + b) * V + c] += 1
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAW_CASES))
+def test_sampling_law(case, monkeypatch):
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[case]
+    model = law_model(scale)
+    law = exact_law(model, temperature, top_k, top_p)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
+    counts = law_counts(model, law_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    pvalue, tv, impossible = law_test(counts, law)
+    assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
+    assert pvalue > 1e-3, (pvalue, tv)
+    bound = 1.25 * null_tv(law, LAW_SAMPLES)
+    assert tv < bound, (pvalue, tv, bound)
+    depths = [len(p) - 1 for p in recorder.paths]
+    assert min(depths) == 0 and max(depths) >= 2
+    if not case.startswith("chain"):
+        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+
+
+@pytest.mark.slow
+def test_sampling_law_catches_a_broken_rule_on_a_dynamic_tree(monkeypatch):
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES["dynamic-T1"]
+    model = law_model(scale)
+    law = exact_law(model, temperature, top_k, top_p)
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", residual_from_p_walk)
+    counts = law_counts(model, law_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
+    pvalue, tv, _ = law_test(counts, law)
+    assert pvalue < 1e-6, (pvalue, tv)

@@ -1,0 +1,163 @@
+"""train/eagle.py: smoke runs of EAGLE-1 and EAGLE-3 on the tiny verifier, resume, the saved
+checkpoint (no verifier embedding / lm_head inside, d2t map for a reduced vocabulary), and the
+evaluator decoding with it (method=eagle, static and dynamic trees)."""
+import csv
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from decode.evaluate import run as evaluate
+from models.checkpoint import load_drafter
+from models.errors import DraftsmithError
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from train.eagle import run
+
+
+def _cfg(tiny_model_dir, out, method, *extra):
+    return compose_config("eagle", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "trainer=debug", "trainer.batch_size=16", "logger=csv", f"output_dir={out}",
+        f"method={method}", "method.eval_steps=3", *extra])
+
+
+def _train_losses(out):
+    with open(out / "metrics.csv") as f:
+        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "train/loss"]
+
+
+def test_eagle1_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = run(_cfg(tiny_model_dir, out, "eagle1"))
+    assert summary["steps"] == 3
+    losses = _train_losses(out)
+    assert len(losses) == 3 and losses[-1] < losses[0], losses  # the whole train split is one batch
+    for s in range(3):
+        assert 0.0 <= summary[f"eval/step{s}_top1"] <= 1.0
+    assert summary["eval/simulated_tau"] >= 1.0
+    kind, drafter, config, meta = load_drafter(summary["drafter_dir"])
+    assert kind == "eagle" and config.variant == "eagle1" and meta["metrics"]["step"] == 3
+    state = load_file(str(out / "final" / "model.safetensors"))
+    assert not any("embed" in k or k.startswith("lm_head") for k in state)  # shared, never stored
+    assert config.decoder_config["model_type"] == "llama" and len(drafter.decoder.layers) == 1
+    assert (out / "best" / "meta.json").is_file() and (out / "checkpoints" / "step-00000003").is_dir()
+
+
+def test_eagle3_reduced_vocab_and_training_time_test(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = run(_cfg(tiny_model_dir, out, "eagle3", "method.draft_vocab_size=48", "method.fusion_layers=[0,1,-1]"))
+    _, drafter, config, _ = load_drafter(summary["drafter_dir"])
+    assert config.variant == "eagle3" and config.fusion_layers == [0, 1, 1] and config.draft_vocab_size == 48
+    assert drafter.fuse.weight.shape == (32, 3 * 32) and drafter.lm_head.weight.shape == (48, 32)
+    d2t = drafter.d2t
+    assert d2t.shape == (48,) and bool((d2t[1:] > d2t[:-1]).all()) and int(d2t.max()) < 128
+    assert _train_losses(out)[-1] < _train_losses(out)[0]
+    metrics = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["key"].startswith("train/step")]
+    assert {r["key"] for r in metrics} == {f"train/step{s}/loss" for s in range(3)}  # 3 unrolled steps
+
+
+def test_resume_continues_and_other_config_is_refused(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    run(_cfg(tiny_model_dir, out, "eagle1"))
+    summary = run(_cfg(tiny_model_dir, out, "eagle1", "trainer.max_steps=5"))
+    assert summary["steps"] == 5 and len(_train_losses(out)) == 5
+    with pytest.raises(DraftsmithError, match="another config"):
+        run(_cfg(tiny_model_dir, out, "eagle1", "method.w_cls=0.5"))
+
+
+def test_bad_method_values_are_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(DraftsmithError, match="method.variant='eagle2'.*valid: eagle1, eagle3"):
+        run(_cfg(tiny_model_dir, tmp_path / "a", "eagle1", "method.variant=eagle2"))
+    with pytest.raises(DraftsmithError, match="feature layer 7 does not exist"):
+        run(_cfg(tiny_model_dir, tmp_path / "b", "eagle3", "method.fusion_layers=[0,1,7]",
+                 "method.draft_vocab_size=48"))
+    with pytest.raises(DraftsmithError, match="draft_vocab_size=500"):
+        run(_cfg(tiny_model_dir, tmp_path / "c", "eagle3", "method.draft_vocab_size=500"))
+
+
+@pytest.mark.parametrize("method, decode", [("eagle1", "eagle-static"), ("eagle3", "eagle-dynamic")])
+def test_evaluate_decodes_losslessly_with_the_trained_drafter(tiny_model_dir, tmp_path, method, decode):
+    extra = ["method.draft_vocab_size=48"] if method == "eagle3" else []
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", method, *extra))
+    report = evaluate(compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "data.num_prompts=2", "max_new_tokens=12", f"output_dir={tmp_path / 'eval'}",
+        "method=eagle", f"drafter={summary['drafter_dir']}", f"decode={decode}", "hf.enabled=false"]))
+    ours = report["methods"]["eagle"]
+    assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
+    assert ours["tau"] >= 1.0
+
+
+def test_medusa_refuses_an_eagle_checkpoint(tiny_model_dir, tmp_path):
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", "eagle1"))
+    base = tiny_model_overrides(tiny_model_dir) + ["data=tiny", "data.num_prompts=1", "max_new_tokens=4",
+                                                   f"output_dir={tmp_path / 'eval'}", "hf.enabled=false"]
+    with pytest.raises(DraftsmithError, match="is a 'eagle' checkpoint; method=medusa needs medusa"):
+        evaluate(compose_config("evaluate", base + ["method=medusa", f"drafter={summary['drafter_dir']}"]))
+
+
+@pytest.fixture()
+def features(tiny_model_dir, tmp_path):
+    from scripts.prepare_features import run as prepare
+
+    out = tmp_path / "features"
+    prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "dtype=float32", "shard_size=4", "batch_size=3", "layers=[0,1,1]", f"output_dir={out}"]))
+    return out
+
+
+def test_online_and_offline_give_the_same_loss(features, tiny_model_dir):
+    from omegaconf import OmegaConf
+
+    from models.eagle import EagleConfig, EagleDrafter
+    from models.verifier import load_verifier
+    from train.core.features import FeatureDataset, collate_features
+    from train.eagle import eagle_loss, verifier_inputs
+
+    verifier = load_verifier(OmegaConf.create(compose_config("eagle", tiny_model_overrides(tiny_model_dir)).model))
+    ds = FeatureDataset(features, "train")
+    batch = collate_features([ds[i] for i in range(5)], pad_id=verifier.tokenizer.pad_token_id)
+    mcfg = compose_config("eagle", ["method=eagle3"]).method
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(32, 128, verifier.config.to_dict(), variant="eagle3", fusion_layers=[0, 1, 1]))
+    online_batch = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
+    embed = verifier.embed_tokens
+    online, _ = eagle_loss(drafter, verifier_inputs(verifier, online_batch, [0, 1, 1], embed), verifier.lm_head, mcfg, 3)
+    offline, _ = eagle_loss(drafter, verifier_inputs(verifier, batch, [0, 1, 1], embed), verifier.lm_head, mcfg, 3)
+    torch.testing.assert_close(offline, online, rtol=1e-5, atol=1e-6)
+
+
+def test_training_from_features(features, tiny_model_dir, tmp_path):
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", "eagle3", f"data.features={features}",
+                       "method.draft_vocab_size=48"))
+    _, drafter, config, meta = load_drafter(summary["drafter_dir"])
+    assert config.fusion_layers == [0, 1, 1] and summary["steps"] == 3  # the layers the features hold
+    with pytest.raises(DraftsmithError, match="data.features holds layers"):
+        run(_cfg(tiny_model_dir, tmp_path / "other", "eagle3", f"data.features={features}",
+                 "method.draft_vocab_size=48", "method.fusion_layers=[0,1,0]"))
+
+
+def test_training_from_features_with_topk_logits(tiny_model_dir, tmp_path):
+    from scripts.prepare_features import run as prepare
+
+    out = tmp_path / "features"
+    prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "dtype=float32", "topk=16", f"output_dir={out}"]))
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", "eagle1", f"data.features={out}"))
+    assert summary["steps"] == 3 and _train_losses(tmp_path / "run")[-1] < _train_losses(tmp_path / "run")[0]
+
+
+def test_soft_targets_from_topk_logits_match_the_full_law_on_those_tokens():
+    from types import SimpleNamespace
+
+    from train.eagle import soft_targets
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(1, 4, 8)  # (B, T, H)
+    logits = lm_head(hidden).detach()
+    values, indices = logits.topk(20, dim=-1)  # all 20: the law itself
+    drafter = SimpleNamespace(config=SimpleNamespace(vocab_size=20, draft_vocab_size=None))
+    rows = torch.tensor([0, 2, 3])
+    full = soft_targets(drafter, {"hidden": hidden}, rows, lm_head)
+    stored = soft_targets(drafter, {"topk_values": values, "topk_indices": indices}, rows, lm_head)
+    torch.testing.assert_close(stored, full.detach())

@@ -1,0 +1,353 @@
+"""Train an EAGLE-1 or EAGLE-3 drafter on a frozen verifier.
+
+    python train/eagle.py                                     # EAGLE-1 on SmolLM2-135M (offline default)
+    python train/eagle.py method=eagle3 trainer.max_steps=200
+    python train/eagle.py method=eagle3 data.features=outputs/data/features-smollm2-135m-selfdistill
+    accelerate launch train/eagle.py model=vicuna-7b-v1.3 data=sharegpt method=eagle3
+
+Drafter index t reads (x_{t+1}, verifier feature at t) and predicts the verifier's final hidden
+state f_{t+1}; lm_head(f_hat_{t+1}) predicts x_{t+2}. EAGLE-1's feature is f_t, EAGLE-3's the
+fused low/mid/high layer states. Training-time test (method.ttt_steps = n): the drafter is
+unrolled n steps on its own outputs (step s, index t predicts f_{t+s+1} from its step s-1
+output), each step's queries attending to the real prefix and to their own earlier steps, as
+at decode time; step s has loss weight decay^s. Per step and position:
+
+    loss = w_feat * SmoothL1(f_hat, f) + w_cls * soft-CE(draft logits, verifier token law)
+
+on positions whose predicted token is an assistant token, with uniform noise on the verifier
+features (EAGLE's augmentation). Held-out evals unroll method.eval_steps steps and report each
+step's top-1 agreement with the verifier's greedy token and the simulated acceptance length.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from models.checkpoint import save_drafter
+from models.eagle import EagleConfig, EagleDrafter, draft_vocab_from_counts
+from models.errors import DraftsmithError
+from models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
+from train.core.accel import make_accelerator, make_optimizer, make_scheduler
+from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
+from train.core.cli import launch
+from train.core.data import (IGNORE_INDEX, check_data_verifier, load_conversations, make_dataloader, split_heldout,
+                             tokenize_conversations)
+from train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
+from train.core.logging import init_trackers, trackers
+from train.medusa import simulated_tau
+
+
+def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+    """(B, T, ...) -> (B, T, ...) with out[:, t] = x[:, t + s], `fill` past the end."""
+    out = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def unroll_mask(pad_ok: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """4D additive mask (B, 1, T, (step+1)*T) for unrolled step `step`.
+
+    Query t sees step-0 keys j <= t (the real prefix; padded keys hidden, its own key always)
+    and its own earlier unrolled keys (step s' in 1..step, index t): the decode-time tree path.
+    pad_ok (B, T) bool: step-0 key j is a real token."""
+    B, T = pad_ok.shape
+    eye = torch.eye(T, dtype=torch.bool, device=pad_ok.device)  # (T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=pad_ok.device).tril()  # (T, T)
+    real = (causal[None] & pad_ok[:, None, :]) | eye[None]  # (B, T, T)
+    allowed = torch.cat([real] + [eye[None].expand(B, T, T)] * step, dim=-1)  # (B, T, (step+1)T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=pad_ok.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def soft_targets(drafter, target: dict, rows: torch.Tensor, lm_head) -> torch.Tensor:
+    """The verifier's next-token law at `rows` (N,) of the flattened batch, over the draft vocab.
+
+    From the stored top-k logits when the features have them (renormalised over the k), else
+    softmax(lm_head(f)). A reduced draft vocabulary keeps its tokens' mass, renormalised."""
+    if "topk_values" in target:
+        values = target["topk_values"].flatten(0, 1)[rows].float()  # (N, k)
+        indices = target["topk_indices"].flatten(0, 1)[rows].long()  # (N, k)
+        probs = torch.zeros(rows.numel(), drafter.config.vocab_size, device=values.device)
+        probs.scatter_(1, indices, torch.softmax(values, dim=-1))  # (N, V)
+    else:
+        feats = target["hidden"].flatten(0, 1)[rows]  # (N, H)
+        probs = torch.softmax(lm_head(feats.to(lm_head.weight.dtype)).float(), dim=-1)  # (N, V)
+    if drafter.config.draft_vocab_size is not None:
+        probs = probs[:, drafter.d2t]  # (N, N_draft)
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return probs
+
+
+def unroll(drafter, embeds: torch.Tensor, feature: torch.Tensor, attn: torch.Tensor, steps: int):
+    """Yield the drafter's predictions (B, T, H) of each unrolled step: at step s, index t holds
+    the prediction of f_{t+s+1}, made from the real pairs up to t and its own steps before.
+
+    embeds (B, T, H) of the tokens, feature (B, T, H) the drafter's input feature at each t,
+    attn (B, T) the padding mask. One cache holds every step's keys (see unroll_mask)."""
+    B, T, _ = embeds.shape
+    cache = getattr(drafter, "module", drafter).new_cache()
+    pad_ok = shift(attn, 1, False)  # step-0 key j is the pair (x_{j+1}, f_j): real iff x_{j+1} is
+    for s in range(steps):
+        position_ids = (torch.arange(T, device=embeds.device) + s)[None].expand(B, T)  # (B, T)
+        mask = unroll_mask(pad_ok, s, feature.dtype)
+        feature = drafter(shift(embeds, s + 1), feature, attention_mask=mask, position_ids=position_ids,
+                          cache=cache)  # (B, T, H); input token x_{t+s+1}
+        yield feature
+
+
+def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 0.0):
+    """One batch -> (loss, stats). inputs: embeds (B, T, H) of the tokens, hidden (B, T, H) final
+    verifier states, layer_hidden (B, T, L*H) for EAGLE-3, labels / attention_mask (B, T),
+    optionally topk_values / topk_indices (B, T, k)."""
+    drafter_ = getattr(drafter, "module", drafter)  # unwrap DDP for the helper calls
+    hidden, labels, attn = inputs["hidden"], inputs["labels"], inputs["attention_mask"].bool()
+    source = inputs.get("layer_hidden") if drafter_.config.variant == "eagle3" else hidden
+    if noise:  # EAGLE's uniform feature noise, on the verifier states the drafter reads
+        source = source + (torch.rand_like(source) - 0.5) * noise
+    feature = drafter_.input_features(source, source)  # (B, T, H)
+    loss = hidden.new_zeros(())
+    stats: dict[str, float] = {}
+    for s, feature in enumerate(unroll(drafter, inputs["embeds"], feature, attn, steps)):
+        valid = shift(attn, s + 1, False) & (shift(labels, s + 2, IGNORE_INDEX) != IGNORE_INDEX)  # (B, T)
+        if not valid.any():
+            continue
+        rows = valid.flatten().nonzero().flatten()  # (N,)
+        pred = feature.flatten(0, 1)[rows]  # (N, H)
+        target = {k: shift(v, s + 1) for k, v in inputs.items() if k in ("hidden", "topk_values", "topk_indices")}
+        f_true = target["hidden"].flatten(0, 1)[rows].to(pred.dtype)  # (N, H)
+        probs = soft_targets(drafter_, target, rows, lm_head)  # (N, V')
+        logits = drafter_.logits(pred, lm_head).float()  # (N, V')
+        feat_loss = F.smooth_l1_loss(pred.float(), f_true.float())
+        cls_loss = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        loss = loss + mcfg.decay ** s * (mcfg.w_feat * feat_loss + mcfg.w_cls * cls_loss)
+        with torch.no_grad():
+            stats[f"step{s}/loss"] = (mcfg.w_feat * feat_loss + mcfg.w_cls * cls_loss).item()
+            stats[f"step{s}/top1_hits"] = (logits.argmax(-1) == probs.argmax(-1)).sum().item()
+            stats[f"step{s}/count"] = rows.numel()
+    return loss, stats
+
+
+@torch.no_grad()
+def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
+    """What the loss needs from the frozen verifier: stored offline, or computed now (fp32)."""
+    if "hidden" in batch:
+        feats = {k: batch[k] for k in ("hidden", "layer_hidden", "topk_values", "topk_indices") if k in batch}
+        if layers and "layer_hidden" not in feats:
+            raise DraftsmithError("data.features holds no layer states; rerun scripts/prepare_features.py with "
+                                  f"layers={layers} for method=eagle3")
+    else:
+        feats = verifier.features(batch["input_ids"], batch["attention_mask"], layers=layers)
+    out = {k: (v.float() if v.is_floating_point() else v) for k, v in feats.items()}
+    out.update(labels=batch["labels"], attention_mask=batch["attention_mask"],
+               embeds=embed(batch["input_ids"]).float())
+    return out
+
+
+@torch.no_grad()
+def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed) -> dict:
+    drafter.eval()
+    totals: dict[str, float] = {}
+    loss_sum, batches = 0.0, 0
+    for batch in loader:
+        inputs = verifier_inputs(verifier, batch, layers, embed)
+        with accelerator.autocast():
+            loss, stats = eagle_loss(drafter, inputs, verifier.lm_head, mcfg, mcfg.eval_steps)
+        loss_sum, batches = loss_sum + loss.item(), batches + 1
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    drafter.train()
+    totals = {k: accelerator.reduce(torch.tensor(v, device=accelerator.device), "sum").item()
+              for k, v in sorted(totals.items())}
+    metrics = {"eval/loss": loss_sum / max(batches, 1)}
+    top1 = []
+    for s in range(mcfg.eval_steps):
+        top1.append(totals.get(f"step{s}/top1_hits", 0.0) / max(totals.get(f"step{s}/count", 0.0), 1.0))
+        metrics[f"eval/step{s}_top1"] = top1[-1]
+    metrics["eval/simulated_tau"] = simulated_tau(top1)
+    return metrics
+
+
+def load_embedding(model_cfg, vocab_size: int, hidden_size: int) -> torch.nn.Embedding:
+    """Only the verifier's input embedding, read from its safetensors (offline features)."""
+    folder = resolve_path(model_cfg)
+    if not isinstance(folder, Path):
+        raise DraftsmithError(f"model={model_cfg.name}: offline features need the verifier's embedding from a "
+                              f"local folder; pass model.path=/path/to/local/hf/folder")
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if "model.embed_tokens.weight" in f.keys():
+                weight = f.get_tensor("model.embed_tokens.weight")
+                if tuple(weight.shape) == (vocab_size, hidden_size):
+                    return torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
+    raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) model.embed_tokens.weight in {folder}")
+
+
+def token_counts(ds, vocab_size: int) -> torch.Tensor:
+    """(V,) counts of supervised (assistant) target tokens in a tokenized or feature dataset."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(ds)):
+        ex = ds[i]
+        ids, labels = torch.as_tensor(ex["input_ids"]), torch.as_tensor(ex["labels"])
+        counts += torch.bincount(ids[labels != IGNORE_INDEX], minlength=vocab_size)
+    return counts
+
+
+def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layers: list[int] | None) -> EagleConfig:
+    """The drafter's config; EAGLE-3 fusion layers: method.fusion_layers, else the layers stored
+    with offline features, else models.verifier.default_fusion_layers."""
+    mcfg = cfg.method
+    layers = []
+    if mcfg.variant == "eagle3":
+        given = mcfg.fusion_layers if mcfg.fusion_layers is not None else stored_layers
+        layers = resolve_layers(given if given else default_fusion_layers(num_layers), num_layers)
+        if stored_layers is not None and layers != list(stored_layers):
+            raise DraftsmithError(f"method.fusion_layers={layers} but data.features holds layers {stored_layers}; "
+                                  f"set method.fusion_layers=null or rerun scripts/prepare_features.py layers={layers}")
+    return EagleConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
+                       decoder_config=hf_config, variant=mcfg.variant, fusion_layers=layers,
+                       draft_vocab_size=mcfg.draft_vocab_size, lm_head=mcfg.lm_head,
+                       attn_implementation=mcfg.attn_implementation)
+
+
+def run(cfg: DictConfig) -> dict:
+    tcfg, mcfg = cfg.trainer, cfg.method
+    accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
+    if cfg.data.get("features"):  # offline: stored states; only the embedding and lm_head are loaded
+        manifest = read_manifest(cfg.data.features)
+        verifier = offline_verifier(cfg.model, manifest)
+        verifier.lm_head.to(accelerator.device)
+        folder = resolve_path(cfg.model)
+        hf_config = json.loads((Path(folder) / "config.json").read_text())
+        embed = load_embedding(cfg.model, verifier.config.vocab_size, verifier.config.hidden_size)
+        train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
+
+        def loader_for(ds, batch_size, shuffle, seed):
+            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed)
+    else:  # online: the frozen verifier runs inside every step
+        verifier = load_verifier(cfg.model, device=accelerator.device)
+        check_data_verifier(cfg.data, verifier.fingerprint)
+        hf_config = verifier.config.to_dict()
+        embed = verifier.embed_tokens
+        train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
+        train_ds = tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length)
+        eval_ds = tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)
+
+        def loader_for(ds, batch_size, shuffle, seed):
+            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed)
+    embed.to(accelerator.device)
+    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
+    eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
+
+    stored = manifest.get("layers", []) if cfg.data.get("features") else None
+    config = drafter_config(cfg, verifier, hf_config, int(hf_config["num_hidden_layers"]), stored)
+    layers = config.fusion_layers
+    drafter = EagleDrafter(config)
+    if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
+        d2t = draft_vocab_from_counts(token_counts(train_ds, config.vocab_size), config.draft_vocab_size)
+        drafter.set_draft_vocab(d2t, verifier.lm_head)
+    drafter.to(accelerator.device)
+    optimizer = make_optimizer([{"params": [p for p in drafter.parameters() if p.requires_grad]}], tcfg)
+    scheduler = make_scheduler(optimizer, tcfg)
+    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    init_trackers(accelerator, cfg.logger, f"{mcfg.name}-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
+                  cfg.output_dir)
+
+    step = 0
+    ckpt = latest_checkpoint(cfg.output_dir) if tcfg.resume else None
+    if ckpt is not None:
+        step = load_training_state(accelerator, ckpt)["step"]
+        accelerator.print(f"resuming from {ckpt} at step {step}")
+
+    def epoch_loader(epoch: int):
+        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch))
+
+    raw_batches = len(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed))
+    batches_per_epoch = math.ceil(raw_batches / accelerator.num_processes)
+    micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
+    epoch, offset = divmod(micro, batches_per_epoch)
+    loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)
+    batches = iter(loader)
+
+    accelerator.print(f"{mcfg.name}: {config.variant} drafter ({sum(p.numel() for p in drafter.parameters()):,} "
+                      f"params; fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
+                      f"{len(train_ds)} train / {len(eval_ds)} held-out conversations, {batches_per_epoch} "
+                      f"batches/epoch, verifier {verifier.name} [{verifier.fingerprint}]")
+    metrics: dict = {}
+    best = {"eval/simulated_tau": -math.inf}
+    if step and (Path(cfg.output_dir) / "best" / "meta.json").is_file():  # keep the best across resumes
+        best = json.loads((Path(cfg.output_dir) / "best" / "meta.json").read_text())["metrics"]
+    tokens, t0 = 0, time.time()
+    bar = tqdm(total=tcfg.max_steps, initial=step, desc=mcfg.name, disable=not accelerator.is_main_process)
+    drafter.train()
+    while step < tcfg.max_steps:
+        for _ in range(tcfg.grad_accum):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                epoch += 1
+                batches = iter(epoch_loader(epoch))
+                batch = next(batches)
+            with accelerator.accumulate(drafter):
+                # The loss step: frozen verifier states, then the unrolled drafter's feature + token loss.
+                inputs = verifier_inputs(verifier, batch, layers, embed)
+                with accelerator.autocast():
+                    loss, stats = eagle_loss(drafter, inputs, verifier.lm_head, mcfg, mcfg.ttt_steps, mcfg.noise)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tcfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(drafter.parameters(), tcfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum())
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
+            log = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
+                   "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)}
+            log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
+            accelerator.log(log, step=step)
+        if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
+            metrics = evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed)
+            accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
+            accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
+            if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
+                best = {**metrics, "step": step}
+                save_eagle(cfg, accelerator, drafter, config, verifier, best, "best")
+        if step % tcfg.save_every == 0 or step == tcfg.max_steps:
+            save_training_state(accelerator, cfg.output_dir, step, {"epoch": epoch}, tcfg.keep_last)
+    bar.close()
+
+    final = save_eagle(cfg, accelerator, drafter, config, verifier, {**metrics, "step": step}, "final")
+    elapsed = time.time() - t0
+    summary = {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
+               "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
+    accelerator.end_training()
+    top1 = " ".join(f"s{s}={metrics.get(f'eval/step{s}_top1', float('nan')):.3f}" for s in range(mcfg.eval_steps))
+    accelerator.print(f"{mcfg.name} done: {step} steps in {elapsed:.0f}s, held-out top-1 {top1}, "
+                      f"simulated tau {metrics.get('eval/simulated_tau', float('nan')):.2f}, drafter -> {final}")
+    return summary
+
+
+def save_eagle(cfg, accelerator, drafter, config, verifier, metrics: dict, name: str):
+    out = f"{cfg.output_dir}/{name}"
+    if accelerator.is_main_process:
+        save_drafter(out, "eagle", accelerator.unwrap_model(drafter), config,
+                     verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
+                     meta={"method": cfg.method.name, "metrics": metrics},
+                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+    accelerator.wait_for_everyone()
+    return out
+
+
+if __name__ == "__main__":
+    launch("eagle", run)
