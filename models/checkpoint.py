@@ -46,11 +46,12 @@ def write_atomic_dir(out_dir: str | Path, write) -> Path:
     return out_dir
 
 
-def save_drafter(out_dir: str | Path, kind: str, module: torch.nn.Module, config, *,
+def save_drafter(out_dir: str | Path, kind: str, module: torch.nn.Module | None, config, *,
                  verifier_fingerprint: str, verifier_name: str, meta: dict | None = None,
-                 resolved_config_yaml: str | None = None) -> Path:
+                 resolved_config_yaml: str | None = None, state_dict: dict | None = None) -> Path:
+    """`state_dict` (e.g. gathered by accelerator.get_state_dict under ZeRO-3) replaces module's."""
     choose(DRAFTER_KINDS, kind, "drafter kind")
-    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or module.state_dict()).items()}
 
     def write(tmp: Path):
         (tmp / "config.json").write_text(json.dumps({"kind": kind, "config": dataclasses.asdict(config)}, indent=2))

@@ -20,10 +20,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
 from models.errors import DraftsmithError, choose
+from models.verifier import gathered
+
+def causal_lm(config, dtype: torch.dtype) -> PreTrainedModel:
+    """A randomly initialised causal LM of config's family, built directly rather than with
+    from_config, which under DeepSpeed ZeRO-3 would partition it at birth (before the copied
+    weights go in) and draw other random numbers than a 1-process run."""
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).to(dtype)
+
 
 def truncated_student(verifier: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """The verifier's first `num_layers` decoder layers + embeddings + final norm + lm_head."""
@@ -35,9 +43,12 @@ def truncated_student(verifier: PreTrainedModel, num_layers: int) -> PreTrainedM
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding / full) follow the layers
         config.layer_types = config.layer_types[:num_layers]
-    student = AutoModelForCausalLM.from_config(config, dtype=verifier.dtype)
-    state = {k: v for k, v in verifier.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    student = causal_lm(config, verifier.dtype)
+    state = {}
+    for k, v in verifier.state_dict().items():
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers:
+            with gathered(verifier, k, v) as full:  # a ZeRO-3-partitioned verifier: the whole tensor
+                state[k] = full.detach().clone()
     missing, unexpected = student.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
@@ -57,7 +68,7 @@ def fresh_student(verifier: PreTrainedModel, student_cfg) -> PreTrainedModel:
         config.layer_types = config.layer_types[:config.num_hidden_layers]
     if hasattr(config, "head_dim"):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    student = AutoModelForCausalLM.from_config(config, dtype=verifier.dtype)
+    student = causal_lm(config, verifier.dtype)
     if config.hidden_size == verifier.config.hidden_size:  # same width: start from the verifier's vocab rows
         student.get_input_embeddings().weight.data.copy_(verifier.get_input_embeddings().weight.data)
         if not config.tie_word_embeddings:

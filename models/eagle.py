@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, MODEL_MAPPING
 
 from models.errors import DraftsmithError, choose
 
@@ -104,7 +104,9 @@ class EagleDrafter(nn.Module):
             self.fuse = nn.Linear(len(config.fusion_layers) * h, h, bias=False)
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer_config = layer_config(config)
-        self.decoder = AutoModel.from_config(self.layer_config, dtype=torch.float32)
+        # The family's model class built directly, not through from_config: under DeepSpeed ZeRO-3
+        # from_config would partition it at birth (with other random draws than a 1-process run).
+        self.decoder = MODEL_MAPPING[type(self.layer_config)](self.layer_config).float()
         self.decoder.embed_tokens = None  # inputs come as embeddings: the verifier's, not stored here
         if config.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))  # (N,)
@@ -169,9 +171,3 @@ class EagleDrafter(nn.Module):
         """Draft-vocabulary ids -> verifier ids (identity for the full vocabulary)."""
         return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
 
-
-def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """counts (V,) of target tokens -> d2t (size,): the `size` most frequent ids, ascending by id
-    (ties by lower id; unseen tokens fill up in id order)."""
-    order = torch.sort(-counts.double(), stable=True).indices  # (V,) most frequent first
-    return order[:size].sort().values

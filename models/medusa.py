@@ -129,9 +129,3 @@ class MedusaHeads(nn.Module):
             return self.to_full_vocab(self.project(feats, 0, lm_head))
         return self.to_full_vocab(torch.stack([self.project(feats[k], k, lm_head) for k in range(k_max)]))
 
-
-def draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
-    """(V,) counts of target tokens in the training data -> d2t (size,): the `size` most
-    frequent verifier ids, in increasing id order (ties broken by the lower id)."""
-    order = torch.sort(token_counts, descending=True, stable=True).indices  # (V,)
-    return torch.sort(order[:size]).values

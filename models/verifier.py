@@ -215,7 +215,7 @@ def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> 
                                                 "vocab_size", "num_attention_heads", "intermediate_size")}
     h.update(json.dumps(arch, sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        with _gathered(model, name, tensor) as tensor:
+        with gathered(model, name, tensor) as tensor:
             flat = tensor.detach().reshape(-1)
             step = max(1, flat.numel() // max_elems_per_tensor)
             sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16)
@@ -226,7 +226,7 @@ def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> 
 
 
 @contextlib.contextmanager
-def _gathered(model: PreTrainedModel, name: str, tensor: torch.Tensor):
+def gathered(model: PreTrainedModel, name: str, tensor: torch.Tensor):
     """The full tensor, gathering a ZeRO-3-partitioned parameter (loaded under zero.Init) first."""
     param = dict(model.named_parameters()).get(name) if tensor.numel() == 0 else None
     if param is None or not hasattr(param, "ds_id"):

@@ -160,7 +160,7 @@ def run(cfg: DictConfig) -> dict:
     step = resume(accelerator, cfg)
     batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
     accelerator.print(f"draft: {mcfg.student.init} student, {params:,} params vs verifier "
-                      f"{sum(p.numel() for p in verifier.model.parameters()):,}; {mcfg.divergence} at "
+                      f"{sum(getattr(p, 'ds_numel', p.numel()) for p in verifier.model.parameters()):,}; {mcfg.divergence} at "
                       f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; {len(data.train)} train / "
                       f"{len(data.eval)} held-out conversations, {batches.per_epoch} batches/epoch; verifier "
                       f"{verifier.name} [{verifier.fingerprint}] {placement}")

@@ -21,28 +21,29 @@ step's top-1 agreement with the verifier's greedy token and the simulated accept
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models.checkpoint import save_drafter
-from models.eagle import EagleConfig, EagleDrafter, draft_vocab_from_counts
+from models.eagle import EagleConfig, EagleDrafter
 from models.errors import DraftsmithError
 from models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
-from train.core.accel import make_accelerator, make_optimizer, make_scheduler
-from train.core.checkpoint import claim_output_dir, latest_checkpoint, load_training_state, save_training_state
+from models.vocab import draft_vocab, label_counts
+from train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
+from train.core.checkpoint import claim_output_dir, save_training_state
 from train.core.cli import launch
-from train.core.data import (IGNORE_INDEX, check_data_verifier, load_conversations, make_dataloader, split_heldout,
-                             tokenize_conversations)
-from train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
+from train.core.data import IGNORE_INDEX, check_data_verifier
+from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
-from train.medusa import simulated_tau
+from train.core.loop import BatchStream, best_so_far, load_train_data, resume
+from train.medusa import global_counts, simulated_tau
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -104,12 +105,22 @@ def unroll(drafter, embeds: torch.Tensor, feature: torch.Tensor, attn: torch.Ten
         yield feature
 
 
-def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 0.0):
+def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 0.0, reduce_counts=None):
     """One batch -> (loss, stats). inputs: embeds (B, T, H) of the tokens, hidden (B, T, H) final
     verifier states, layer_hidden (B, T, L*H) for EAGLE-3, labels / attention_mask (B, T),
-    optionally topk_values / topk_indices (B, T, k)."""
+    optionally topk_values / topk_indices (B, T, k).
+
+    Each step's loss is summed over its positions and divided by that step's position count
+    over ALL processes (`reduce_counts`, as in train/medusa.py), times the process count that
+    DDP/DeepSpeed average over: the same gradient for 1 or N processes."""
     drafter_ = getattr(drafter, "module", drafter)  # unwrap DDP for the helper calls
     hidden, labels, attn = inputs["hidden"], inputs["labels"], inputs["attention_mask"].bool()
+    valid = [shift(attn, s + 1, False) & (shift(labels, s + 2, IGNORE_INDEX) != IGNORE_INDEX)  # (B, T) per step
+             for s in range(steps)]
+    counts = torch.tensor([float(v.sum()) for v in valid], dtype=torch.float64)  # (steps,)
+    world = 1
+    if reduce_counts is not None:
+        counts, world = reduce_counts(counts)
     source = inputs.get("layer_hidden") if drafter_.config.variant == "eagle3" else hidden
     if noise:  # EAGLE's uniform feature noise, on the verifier states the drafter reads
         source = source + (torch.rand_like(source) - 0.5) * noise
@@ -117,20 +128,20 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
     loss = hidden.new_zeros(())
     stats: dict[str, float] = {}
     for s, feature in enumerate(unroll(drafter, inputs["embeds"], feature, attn, steps)):
-        valid = shift(attn, s + 1, False) & (shift(labels, s + 2, IGNORE_INDEX) != IGNORE_INDEX)  # (B, T)
-        if not valid.any():
-            continue
-        rows = valid.flatten().nonzero().flatten()  # (N,)
+        rows = valid[s].flatten().nonzero().flatten()  # (N,)
         pred = feature.flatten(0, 1)[rows]  # (N, H)
         target = {k: shift(v, s + 1) for k, v in inputs.items() if k in ("hidden", "topk_values", "topk_indices")}
         f_true = target["hidden"].flatten(0, 1)[rows].to(pred.dtype)  # (N, H)
         probs = soft_targets(drafter_, target, rows, lm_head)  # (N, V')
         logits = drafter_.logits(pred, lm_head).float()  # (N, V')
-        feat_loss = F.smooth_l1_loss(pred.float(), f_true.float())
-        cls_loss = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        loss = loss + mcfg.decay ** s * (mcfg.w_feat * feat_loss + mcfg.w_cls * cls_loss)
+        feat_sum = F.smooth_l1_loss(pred.float(), f_true.float(), reduction="sum") / pred.shape[-1]
+        cls_sum = -(probs * torch.log_softmax(logits, dim=-1)).sum()
+        step_sum = mcfg.w_feat * feat_sum + mcfg.w_cls * cls_sum
+        loss = loss + mcfg.decay ** s * step_sum * (world / max(float(counts[s]), 1.0))
+        if rows.numel() == 0:
+            continue
         with torch.no_grad():
-            stats[f"step{s}/loss"] = (mcfg.w_feat * feat_loss + mcfg.w_cls * cls_loss).item()
+            stats[f"step{s}/loss"] = step_sum.item() / rows.numel()
             stats[f"step{s}/top1_hits"] = (logits.argmax(-1) == probs.argmax(-1)).sum().item()
             stats[f"step{s}/count"] = rows.numel()
     return loss, stats
@@ -153,14 +164,14 @@ def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
 
 
 @torch.no_grad()
-def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed) -> dict:
+def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed, lm_head) -> dict:
     drafter.eval()
     totals: dict[str, float] = {}
     loss_sum, batches = 0.0, 0
     for batch in loader:
         inputs = verifier_inputs(verifier, batch, layers, embed)
         with accelerator.autocast():
-            loss, stats = eagle_loss(drafter, inputs, verifier.lm_head, mcfg, mcfg.eval_steps)
+            loss, stats = eagle_loss(drafter, inputs, lm_head, mcfg, mcfg.eval_steps)
         loss_sum, batches = loss_sum + loss.item(), batches + 1
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
@@ -191,16 +202,6 @@ def load_embedding(model_cfg, vocab_size: int, hidden_size: int) -> torch.nn.Emb
     raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) model.embed_tokens.weight in {folder}")
 
 
-def token_counts(ds, vocab_size: int) -> torch.Tensor:
-    """(V,) counts of supervised (assistant) target tokens in a tokenized or feature dataset."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(ds)):
-        ex = ds[i]
-        ids, labels = torch.as_tensor(ex["input_ids"]), torch.as_tensor(ex["labels"])
-        counts += torch.bincount(ids[labels != IGNORE_INDEX], minlength=vocab_size)
-    return counts
-
-
 def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layers: list[int] | None) -> EagleConfig:
     """The drafter's config; EAGLE-3 fusion layers: method.fusion_layers, else the layers stored
     with offline features, else models.verifier.default_fusion_layers."""
@@ -224,90 +225,69 @@ def run(cfg: DictConfig) -> dict:
     if cfg.data.get("features"):  # offline: stored states; only the embedding and lm_head are loaded
         manifest = read_manifest(cfg.data.features)
         verifier = offline_verifier(cfg.model, manifest)
-        verifier.lm_head.to(accelerator.device)
-        folder = resolve_path(cfg.model)
-        hf_config = json.loads((Path(folder) / "config.json").read_text())
+        lm_head = verifier.lm_head.to(accelerator.device)
+        hf_config = json.loads((Path(resolve_path(cfg.model)) / "config.json").read_text())
         embed = load_embedding(cfg.model, verifier.config.vocab_size, verifier.config.hidden_size)
-        train_ds, eval_ds = FeatureDataset(cfg.data.features, "train"), FeatureDataset(cfg.data.features, "eval")
-
-        def loader_for(ds, batch_size, shuffle, seed):
-            return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed)
+        placement = "not loaded (offline features)"
     else:  # online: the frozen verifier runs inside every step
-        verifier = load_verifier(cfg.model, device=accelerator.device)
+        verifier = load_verifier(cfg.model)
         check_data_verifier(cfg.data, verifier.fingerprint)
         hf_config = verifier.config.to_dict()
-        embed = verifier.embed_tokens
-        train_conv, eval_conv = split_heldout(load_conversations(cfg.data), cfg.data)
-        train_ds = tokenize_conversations(train_conv, verifier.tokenizer, cfg.data.max_length)
-        eval_ds = tokenize_conversations(eval_conv, verifier.tokenizer, cfg.data.max_length)
-
-        def loader_for(ds, batch_size, shuffle, seed):
-            return make_dataloader(ds, batch_size, verifier.tokenizer.pad_token_id, shuffle=shuffle, seed=seed)
+        # The drafter multiplies by the embedding and lm_head as whole matrices: frozen copies, never sharded.
+        sharded = zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP
+        embed = full_copy(verifier.embed_tokens) if sharded else verifier.embed_tokens
+        lm_head = full_copy(verifier.lm_head) if sharded else verifier.lm_head
+        placement = place_frozen(accelerator, verifier.model)
     embed.to(accelerator.device)
+    lm_head.to(accelerator.device)
+    data = load_train_data(cfg, getattr(verifier, "tokenizer", None))
+    train_ds, eval_ds = data.train, data.eval
     claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
-    eval_loader = accelerator.prepare(loader_for(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
+    eval_loader = accelerator.prepare(data.loader(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
 
     stored = manifest.get("layers", []) if cfg.data.get("features") else None
     config = drafter_config(cfg, verifier, hf_config, int(hf_config["num_hidden_layers"]), stored)
     layers = config.fusion_layers
     drafter = EagleDrafter(config)
     if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
-        d2t = draft_vocab_from_counts(token_counts(train_ds, config.vocab_size), config.draft_vocab_size)
-        drafter.set_draft_vocab(d2t, verifier.lm_head)
+        counts = label_counts(train_ds.labels() if data.offline else train_ds["labels"], config.vocab_size)
+        d2t = draft_vocab(counts, config.draft_vocab_size)
+        drafter.set_draft_vocab(d2t, lm_head)
     drafter.to(accelerator.device)
+    trainable = sum(p.numel() for p in drafter.parameters())  # before prepare: ZeRO-3 partitions them
     optimizer = make_optimizer([{"params": [p for p in drafter.parameters() if p.requires_grad]}], tcfg)
     scheduler = make_scheduler(optimizer, tcfg)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     init_trackers(accelerator, cfg.logger, f"{mcfg.name}-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
                   cfg.output_dir)
 
-    step = 0
-    ckpt = latest_checkpoint(cfg.output_dir) if tcfg.resume else None
-    if ckpt is not None:
-        step = load_training_state(accelerator, ckpt)["step"]
-        accelerator.print(f"resuming from {ckpt} at step {step}")
-
-    def epoch_loader(epoch: int):
-        return accelerator.prepare(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed + epoch))
-
-    raw_batches = len(loader_for(train_ds, tcfg.batch_size, shuffle=True, seed=cfg.seed))
-    batches_per_epoch = math.ceil(raw_batches / accelerator.num_processes)
-    micro = step * tcfg.grad_accum  # micro-batches consumed so far: the data position
-    epoch, offset = divmod(micro, batches_per_epoch)
-    loader = accelerator.skip_first_batches(epoch_loader(epoch), offset) if offset else epoch_loader(epoch)
-    batches = iter(loader)
-
-    accelerator.print(f"{mcfg.name}: {config.variant} drafter ({sum(p.numel() for p in drafter.parameters()):,} "
+    step = resume(accelerator, cfg)
+    batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
+    accelerator.print(f"{mcfg.name}: {config.variant} drafter ({trainable:,} "
                       f"params; fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
-                      f"{len(train_ds)} train / {len(eval_ds)} held-out conversations, {batches_per_epoch} "
-                      f"batches/epoch, verifier {verifier.name} [{verifier.fingerprint}]")
+                      f"{len(train_ds)} train / {len(eval_ds)} held-out conversations, {batches.per_epoch} "
+                      f"batches/epoch, verifier {verifier.name} [{verifier.fingerprint}] {placement}")
     metrics: dict = {}
-    best = {"eval/simulated_tau": -math.inf}
-    if step and (Path(cfg.output_dir) / "best" / "meta.json").is_file():  # keep the best across resumes
-        best = json.loads((Path(cfg.output_dir) / "best" / "meta.json").read_text())["metrics"]
+    best = best_so_far(cfg.output_dir, step, "eval/simulated_tau")
     tokens, t0 = 0, time.time()
     bar = tqdm(total=tcfg.max_steps, initial=step, desc=mcfg.name, disable=not accelerator.is_main_process)
     drafter.train()
     while step < tcfg.max_steps:
         for _ in range(tcfg.grad_accum):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                epoch += 1
-                batches = iter(epoch_loader(epoch))
-                batch = next(batches)
+            batch = next(batches)
             with accelerator.accumulate(drafter):
                 # The loss step: frozen verifier states, then the unrolled drafter's feature + token loss.
                 inputs = verifier_inputs(verifier, batch, layers, embed)
                 with accelerator.autocast():
-                    loss, stats = eagle_loss(drafter, inputs, verifier.lm_head, mcfg, mcfg.ttt_steps, mcfg.noise)
+                    loss, stats = eagle_loss(drafter, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
+                                             global_counts(accelerator))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and tcfg.max_grad_norm:
                     accelerator.clip_grad_norm_(drafter.parameters(), tcfg.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             tokens += int(batch["attention_mask"].sum())
+        scheduler.step()  # once per optimizer step, whatever the process count
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -317,14 +297,14 @@ def run(cfg: DictConfig) -> dict:
             log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
             accelerator.log(log, step=step)
         if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed)
+            metrics = evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed, lm_head)
             accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
             accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
             if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
                 best = {**metrics, "step": step}
                 save_eagle(cfg, accelerator, drafter, config, verifier, best, "best")
         if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": epoch}, tcfg.keep_last)
+            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
     bar.close()
 
     final = save_eagle(cfg, accelerator, drafter, config, verifier, {**metrics, "step": step}, "final")
@@ -340,8 +320,9 @@ def run(cfg: DictConfig) -> dict:
 
 def save_eagle(cfg, accelerator, drafter, config, verifier, metrics: dict, name: str):
     out = f"{cfg.output_dir}/{name}"
-    if accelerator.is_main_process:
-        save_drafter(out, "eagle", accelerator.unwrap_model(drafter), config,
+    state = accelerator.get_state_dict(drafter)  # every process: ZeRO-3 gathers the shards here
+    if accelerator.is_main_process:  # (no module is built here: under ZeRO-3 that is a collective)
+        save_drafter(out, "eagle", None, config, state_dict=state,
                      verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
                      meta={"method": cfg.method.name, "metrics": metrics},
                      resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))

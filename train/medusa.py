@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from models.checkpoint import save_drafter
-from models.medusa import MedusaConfig, MedusaHeads, draft_vocab
+from models.medusa import MedusaConfig, MedusaHeads
+from models.vocab import draft_vocab, label_counts, target_to_draft
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
 from train.core.checkpoint import claim_output_dir, save_training_state
@@ -84,22 +85,6 @@ def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, deca
             stats[f"head{k}/top5_hits"] = (top5 == target[:, None]).any(-1).sum().item()
             stats[f"head{k}/count"] = total  # targets outside the draft vocabulary are misses
     return loss, stats
-
-
-def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """d2t (N,) -> t2d (V,): the draft id of each verifier id, -1 where there is none."""
-    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
-    t2d[d2t] = torch.arange(d2t.numel())
-    return t2d
-
-
-def label_counts(labels_per_example, vocab_size: int) -> torch.Tensor:
-    """(V,) how often each verifier id is a supervised target in the training data."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for labels in labels_per_example:
-        labels = torch.as_tensor(labels)
-        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)
-    return counts
 
 
 def global_counts(accelerator):
@@ -254,10 +239,8 @@ def run(cfg: DictConfig) -> dict:
 def save_heads(cfg, accelerator, heads, config, verifier, metrics: dict, name: str):
     out = f"{cfg.output_dir}/{name}"
     state = accelerator.get_state_dict(heads)  # every process: ZeRO-3 gathers the shards here
-    if accelerator.is_main_process:
-        module = MedusaHeads(config)
-        module.load_state_dict(state)
-        save_drafter(out, "medusa", module, config,
+    if accelerator.is_main_process:  # (no module is built here: under ZeRO-3 that is a collective)
+        save_drafter(out, "medusa", None, config, state_dict=state,
                      verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
                      meta={"method": cfg.method.name, "metrics": metrics},
                      resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))

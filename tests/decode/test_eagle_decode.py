@@ -16,7 +16,8 @@ import torch
 from decode import sampling
 from decode.engine import generate
 from decode.proposers import make_proposer
-from models.eagle import EagleConfig, EagleDrafter, draft_vocab_from_counts
+from models.eagle import EagleConfig, EagleDrafter
+from models.vocab import draft_vocab
 from tests.decode.test_engine import (LAW_PROMPT, V, RecordingRule, exact_law, law_model, law_test,
                                       residual_from_p_walk, tree_paths)
 from tests.tiny import tiny_llama
@@ -43,12 +44,12 @@ def greedy_corpus(model, n: int = 32, prompt_len: int = 8, new: int = 40, seed: 
                               max_new_tokens=new, eos_token_id=None, pad_token_id=1)  # (n, prompt_len + new)
 
 
-def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vocab: int | None = None):
+def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vocab_size: int | None = None):
     """An EAGLE drafter fitted for `steps` Adam steps to the model's greedy continuations, with the
     trainer's own loss: top-1 ~0.6, so trees accept several tokens and still get rejected."""
     seqs = greedy_corpus(model)
     layers = [0, 1, 1] if variant == "eagle3" else []
-    extra = dict(draft_vocab_size=draft_vocab, lm_head="own") if draft_vocab else {}
+    extra = dict(draft_vocab_size=draft_vocab_size, lm_head="own") if draft_vocab_size else {}
     torch.manual_seed(0)
     drafter = EagleDrafter(EagleConfig(model.config.hidden_size, model.config.vocab_size, model.config.to_dict(),
                                        variant=variant, fusion_layers=layers, **extra)).to(model.dtype)
@@ -58,8 +59,8 @@ def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vo
                   "embeds": model.get_input_embeddings()(seqs)}
         if layers:
             inputs["layer_hidden"] = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
-    if draft_vocab:
-        drafter.set_draft_vocab(draft_vocab_from_counts(torch.bincount(seqs.flatten(), minlength=128), draft_vocab),
+    if draft_vocab_size:
+        drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=128), draft_vocab_size),
                                 model.lm_head)
     mcfg = SimpleNamespace(decay=0.8, w_feat=1.0, w_cls=1.0)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
@@ -76,7 +77,7 @@ def greedy_setup():
     torch.set_num_threads(1)
     model = tiny_llama().requires_grad_(False)
     drafters = {"eagle1": fitted_drafter(model, "eagle1"),
-                "eagle3": fitted_drafter(model, "eagle3", ttt=2, draft_vocab=64)}
+                "eagle3": fitted_drafter(model, "eagle3", ttt=2, draft_vocab_size=64)}
     return model, drafters
 
 

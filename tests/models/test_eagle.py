@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from models.checkpoint import load_drafter, save_drafter
-from models.eagle import EagleConfig, EagleDrafter, draft_vocab_from_counts
+from models.eagle import EagleConfig, EagleDrafter
+from models.vocab import draft_vocab
 from models.errors import DraftsmithError
 from tests.tiny import tiny_llama
 from train.eagle import eagle_loss, unroll, unroll_mask
@@ -40,7 +41,7 @@ def test_eagle3_fusion_and_reduced_vocab():
     drafter = drafter_for(model, variant="eagle3", fusion_layers=[0, 1, 1], draft_vocab_size=16, lm_head="own")
     counts = torch.zeros(V)
     counts[torch.arange(40, 60)] = torch.arange(20, 0, -1).float()  # ids 40..55 are the 16 most frequent
-    d2t = draft_vocab_from_counts(counts, 16)
+    d2t = draft_vocab(counts, 16)
     assert d2t.tolist() == list(range(40, 56))
     drafter.set_draft_vocab(d2t, model.lm_head)
     torch.testing.assert_close(drafter.lm_head.weight, model.lm_head.weight[40:56])

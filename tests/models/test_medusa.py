@@ -1,7 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from models.medusa import MedusaConfig, MedusaHeads, draft_vocab
+from models.medusa import MedusaConfig, MedusaHeads
+from models.vocab import draft_vocab
 from tests.tiny import tiny_llama
 from train.medusa import head_targets, medusa_loss, simulated_tau
 
@@ -130,7 +131,7 @@ def test_reduced_draft_vocabulary():
 
 
 def test_medusa_loss_with_a_draft_vocabulary_skips_and_counts_missing_targets():
-    from train.medusa import target_to_draft
+    from models.vocab import target_to_draft
 
     torch.manual_seed(0)
     model = tiny_llama()

@@ -136,3 +136,33 @@ def test_deepspeed_batch_fields_come_from_the_trainer_config():
         "gradient_clipping": 1.0}
     with pytest.raises(DraftsmithError, match="sets train_micro_batch_size_per_gpu=16 but the trainer config means 4"):
         fill_deepspeed_config(acc({"train_micro_batch_size_per_gpu": 16}), trainer)
+
+
+@pytest.mark.parametrize("script,extra,launch_config,env_extra", [
+    ("train/eagle.py", ["method=eagle3", "method.draft_vocab_size=64", "method.noise=0"], "cpu-2proc.yaml",
+     {"ACCELERATE_USE_CPU": "1"}),
+    ("train/eagle.py", ["method=eagle3", "method.draft_vocab_size=64", "method.noise=0"], "cpu-2proc-zero3.yaml", {}),
+    ("train/draft.py", ["method=draft-tvd", "method.student.num_layers=1", "trainer.lr=1e-2"], "cpu-2proc-zero3.yaml",
+     {}),
+], ids=["eagle3-ddp", "eagle3-zero3", "draft-zero3"])
+def test_eagle_and_draft_trainers_match_one_process_too(tiny_model_dir, tmp_path, script, extra, launch_config,
+                                                        env_extra):
+    """EAGLE-3 (training-time test: several drafter forwards per backward, reduced vocabulary)
+    and draft distillation (the whole student trained, the truncated copy of a ZeRO-3-sharded
+    verifier) give the 1-process result on 2 processes. Feature noise off: each process would
+    draw its own."""
+    outs = {}
+    for name, launcher, env in [("one", ["python"], {}),
+                                ("two", ["accelerate", "launch", "--config_file", f"conf/accelerate/{launch_config}",
+                                         "--main_process_port", "29538"], env_extra)]:
+        out = tmp_path / name
+        cmd = [*launcher, script, *tiny_model_overrides(tiny_model_dir), "data=tiny", "trainer=debug", "logger=none",
+               "trainer.batch_size=4", "trainer.split_batches=true", "trainer.max_steps=4", *extra,
+               f"output_dir={out}"]
+        base = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+        proc = subprocess.run(cmd, cwd=ROOT, env={**base, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[name] = load_file(out / "final" / "model.safetensors")
+    for key, ref in outs["one"].items():
+        torch.testing.assert_close(outs["two"][key], ref, rtol=1e-4, atol=1e-5, msg=key)
