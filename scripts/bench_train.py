@@ -66,7 +66,7 @@ def run(cfg: DictConfig) -> dict:
     report = {"steps": cfg.steps, "batch_size": cfg.batch_size, "target_tau": cfg.target_tau, "cases": {},
               "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
     features = out_dir / "features"
-    if "offline" in cfg.cases:
+    if any(name.startswith("offline") for name in cfg.cases):
         seconds, rss = run_measured([sys.executable, "scripts/prepare_features.py", f"model={cfg.verifier}",
                                      f"data={cfg.dataset}", f"model.dtype={cfg.verifier_dtype}",
                                      f"dtype={cfg.feature_dtype}", f"output_dir={features}",
@@ -83,6 +83,9 @@ def run(cfg: DictConfig) -> dict:
         "offline-2proc": (launch2("cpu-2proc.yaml"), [f"data.features={features}"], {"ACCELERATE_USE_CPU": "1"}),
         "online-zero2-2proc": (launch2("cpu-2proc-zero2.yaml"), [], {}),
         "online-zero3-2proc": (launch2("cpu-2proc-zero3.yaml"), [], {}),
+        # the same pair with a reduced draft vocabulary: the heads' V x h projections shrink 6x
+        "online-vocab8k": (one, ["method.draft_vocab_size=8192"], {}),
+        "offline-vocab8k": (one, ["method.draft_vocab_size=8192", f"data.features={features}"], {}),
     }
     for name in cfg.cases:
         launcher, extra, extra_env = choose(cases, name, "cases[]")
@@ -97,8 +100,8 @@ def run(cfg: DictConfig) -> dict:
         report["cases"][name] = {"tokens_per_s": metrics["train/tokens_per_s"][-1][1], "wall_s": seconds,
                                  "peak_rss_gb": rss, "final_simulated_tau": tau[-1][1] if tau else None,
                                  "seconds_to_target_tau": reached}
-    base = report["cases"].get("online", {}).get("tokens_per_s")
-    for case in report["cases"].values():
+    for name, case in report["cases"].items():  # against the online case of the same heads
+        base = report["cases"].get("online-vocab8k" if name.endswith("vocab8k") else "online", {}).get("tokens_per_s")
         case["vs_online"] = case["tokens_per_s"] / base if base else None
     (out_dir / "bench_train.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
@@ -117,7 +120,7 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|"]
     for name, c in report["cases"].items():
         reached = "not reached" if c["seconds_to_target_tau"] is None else f"{c['seconds_to_target_tau']:.0f}"
-        lines.append(f"| {name} | {c['tokens_per_s']:.0f} | {c['vs_online']:.2f}x | {c['peak_rss_gb']:.2f} | "
+        lines.append(f"| {name} | {c['tokens_per_s']:.0f} | {c['vs_online'] or float('nan'):.2f}x | {c['peak_rss_gb']:.2f} | "
                      f"{c['final_simulated_tau']:.2f} | {reached} |")
     return "\n".join(lines)
 

@@ -1,0 +1,27 @@
+"""scripts/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
+import json
+
+from scripts.compare import run
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+
+
+def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path):
+    cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
+        "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
+        "hf_with=prompt-lookup", f"output_dir={tmp_path}", "only=[prompt-lookup,lookahead,eagle1]",
+        "methods={prompt-lookup: ['method=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
+        " lookahead: ['method=lookahead', 'decode=lookahead', 'drafter=null'],"
+        f" eagle1: ['method=eagle', 'drafter={tmp_path / 'missing'}', 'decode=eagle-dynamic']}}"])
+    result = run(cfg)
+    rows = result["rows"]
+    ours = [r for r in rows if not r["method"].startswith("hf_")]
+    assert {(r["method"], r["temperature"]) for r in ours} == {
+        ("prompt-lookup", 0.0), ("prompt-lookup", 0.7), ("lookahead", 0.0), ("lookahead", 0.7)}
+    assert all(r["tau"] >= 1.0 for r in ours)
+    greedy = [r for r in ours if r["temperature"] == 0.0]
+    assert all(r["greedy_identity_rate"] == 1.0 or r["unexplained_divergences"] == 0 for r in greedy)
+    assert {r["method"] for r in rows if r["method"].startswith("hf_")} == {"hf_generate", "hf_prompt_lookup"}
+    table = (tmp_path / "compare.md").read_text()
+    assert "| prompt-lookup |" in table and "| lookahead |" in table and "eagle1" not in table
+    assert json.loads((tmp_path / "compare.json").read_text())["rows"] == rows
