@@ -28,12 +28,12 @@ from models.draft import build_student, save_draft_model
 from models.errors import DraftsmithError
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler, place_frozen
-from train.core.checkpoint import claim_output_dir, save_training_state
+from train.core.checkpoint import claim_output_dir
 from train.core.cli import launch
 from train.core.data import IGNORE_INDEX, check_data_verifier, collate_batch
 from train.core.features import read_manifest
 from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, best_so_far, load_train_data, resume
+from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
 from train.core.losses import acceptance_rate, chain_tau, divergence
 
 
@@ -160,7 +160,8 @@ def run(cfg: DictConfig) -> dict:
     step = resume(accelerator, cfg)
     batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
     accelerator.print(f"draft: {mcfg.student.init} student, {params:,} params vs verifier "
-                      f"{sum(getattr(p, 'ds_numel', p.numel()) for p in verifier.model.parameters()):,}; {mcfg.divergence} at "
+                      f"{sum(getattr(p, 'ds_numel', p.numel()) for p in verifier.model.parameters()):,}; "
+                      f"{mcfg.divergence} at "
                       f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; {len(data.train)} train / "
                       f"{len(data.eval)} held-out conversations, {batches.per_epoch} batches/epoch; verifier "
                       f"{verifier.name} [{verifier.fingerprint}] {placement}")
@@ -181,11 +182,7 @@ def run(cfg: DictConfig) -> dict:
             with accelerator.accumulate(student):
                 with accelerator.autocast():
                     loss, stats = distill_loss(student, verifier, batch, mcfg, global_count(accelerator))
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tcfg.max_grad_norm:
-                    accelerator.clip_grad_norm_(student.parameters(), tcfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                optimizer_step(accelerator, student, loss, optimizer, tcfg)
             tokens += int(batch["attention_mask"].sum())
         scheduler.step()  # once per optimizer step, whatever the process count
         step += 1
@@ -197,15 +194,11 @@ def run(cfg: DictConfig) -> dict:
                              "train/on_policy": float(on_policy),
                              "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)},
                             step=step)
-        if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(student, verifier, eval_loader, accelerator, mcfg)
-            accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
-            accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-            if metrics["eval/acceptance_rate"] > best["eval/acceptance_rate"]:
-                best = {**metrics, "step": step}
-                save_student(cfg, accelerator, student, verifier, best, "best")
-        if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
+        new_metrics, best = after_step(
+            accelerator, cfg, step, batches, best=best, key="eval/acceptance_rate", t0=t0,
+            evaluate=lambda: evaluate(student, verifier, eval_loader, accelerator, mcfg),
+            save=lambda m, name: save_student(cfg, accelerator, student, verifier, m, name))
+        metrics = new_metrics or metrics
     bar.close()
 
     final = save_student(cfg, accelerator, student, verifier, {**metrics, "step": step}, "final")

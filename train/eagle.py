@@ -37,12 +37,12 @@ from models.errors import DraftsmithError
 from models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
 from models.vocab import draft_vocab, label_counts
 from train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
-from train.core.checkpoint import claim_output_dir, save_training_state
+from train.core.checkpoint import claim_output_dir
 from train.core.cli import launch
 from train.core.data import IGNORE_INDEX, check_data_verifier
 from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, best_so_far, load_train_data, resume
+from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
 from train.medusa import global_counts, simulated_tau
 
 
@@ -124,10 +124,11 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
     source = inputs.get("layer_hidden") if drafter_.config.variant == "eagle3" else hidden
     if noise:  # EAGLE's uniform feature noise, on the verifier states the drafter reads
         source = source + (torch.rand_like(source) - 0.5) * noise
-    feature = drafter_.input_features(source, source)  # (B, T, H)
+    dtype = next(drafter_.parameters()).dtype  # DeepSpeed bf16 holds the drafter in bf16 (no autocast)
+    feature = drafter_.input_features(source.to(dtype), source.to(dtype))  # (B, T, H)
     loss = hidden.new_zeros(())
     stats: dict[str, float] = {}
-    for s, feature in enumerate(unroll(drafter, inputs["embeds"], feature, attn, steps)):
+    for s, feature in enumerate(unroll(drafter, inputs["embeds"].to(dtype), feature, attn, steps)):
         rows = valid[s].flatten().nonzero().flatten()  # (N,)
         pred = feature.flatten(0, 1)[rows]  # (N, H)
         target = {k: shift(v, s + 1) for k, v in inputs.items() if k in ("hidden", "topk_values", "topk_indices")}
@@ -199,7 +200,8 @@ def load_embedding(model_cfg, vocab_size: int, hidden_size: int) -> torch.nn.Emb
                 weight = f.get_tensor("model.embed_tokens.weight")
                 if tuple(weight.shape) == (vocab_size, hidden_size):
                     return torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
-    raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) model.embed_tokens.weight in {folder}")
+    raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) model.embed_tokens.weight "
+                          f"in {folder}")
 
 
 def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layers: list[int] | None) -> EagleConfig:
@@ -281,11 +283,7 @@ def run(cfg: DictConfig) -> dict:
                 with accelerator.autocast():
                     loss, stats = eagle_loss(drafter, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
                                              global_counts(accelerator))
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tcfg.max_grad_norm:
-                    accelerator.clip_grad_norm_(drafter.parameters(), tcfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                optimizer_step(accelerator, drafter, loss, optimizer, tcfg)
             tokens += int(batch["attention_mask"].sum())
         scheduler.step()  # once per optimizer step, whatever the process count
         step += 1
@@ -296,15 +294,11 @@ def run(cfg: DictConfig) -> dict:
                    "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)}
             log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
             accelerator.log(log, step=step)
-        if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed, lm_head)
-            accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
-            accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-            if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
-                best = {**metrics, "step": step}
-                save_eagle(cfg, accelerator, drafter, config, verifier, best, "best")
-        if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
+        new_metrics, best = after_step(
+            accelerator, cfg, step, batches, best=best, key="eval/simulated_tau", t0=t0,
+            evaluate=lambda: evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed, lm_head),
+            save=lambda m, name: save_eagle(cfg, accelerator, drafter, config, verifier, m, name))
+        metrics = new_metrics or metrics
     bar.close()
 
     final = save_eagle(cfg, accelerator, drafter, config, verifier, {**metrics, "step": step}, "final")

@@ -23,12 +23,12 @@ from models.medusa import MedusaConfig, MedusaHeads
 from models.vocab import draft_vocab, label_counts, target_to_draft
 from models.verifier import load_verifier
 from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
-from train.core.checkpoint import claim_output_dir, save_training_state
+from train.core.checkpoint import claim_output_dir
 from train.core.cli import launch
 from train.core.data import check_data_verifier
 from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, best_so_far, load_train_data, resume
+from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +55,7 @@ def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, deca
     t2d (V,): verifier id -> draft id (-1 outside a reduced draft vocabulary). Targets outside
     it carry no loss (no head can emit them) but count as misses in the accuracy stats."""
     targets, rows = [], []
+    hidden = hidden.to(next(heads.parameters()).dtype)  # DeepSpeed bf16 holds the heads in bf16 (no autocast)
     for k in range(num_heads):
         mask, target = head_targets(labels, k)  # (B, T), (N_k,)
         if t2d is not None:  # keep only rows whose target the draft vocabulary holds
@@ -199,11 +200,7 @@ def run(cfg: DictConfig) -> dict:
                 with accelerator.autocast():
                     loss, stats = medusa_loss(heads, hidden, batch["labels"], lm_head, mcfg.decay,
                                               config.num_heads, global_counts(accelerator), t2d)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tcfg.max_grad_norm:
-                    accelerator.clip_grad_norm_(heads.parameters(), tcfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                optimizer_step(accelerator, heads, loss, optimizer, tcfg)
             tokens += int(batch["attention_mask"].sum())
         scheduler.step()  # once per optimizer step, whatever the process count
         step += 1
@@ -214,15 +211,12 @@ def run(cfg: DictConfig) -> dict:
                    "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)}
             log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
             accelerator.log(log, step=step)
-        if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-            metrics = evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads, lm_head, t2d)
-            accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
-            accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-            if metrics["eval/simulated_tau"] > best["eval/simulated_tau"]:
-                best = {**metrics, "step": step}
-                save_heads(cfg, accelerator, heads, config, verifier, best, "best")
-        if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
+        new_metrics, best = after_step(
+            accelerator, cfg, step, batches, best=best, key="eval/simulated_tau", t0=t0,
+            evaluate=lambda: evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads,
+                                      lm_head, t2d),
+            save=lambda m, name: save_heads(cfg, accelerator, heads, config, verifier, m, name))
+        metrics = new_metrics or metrics
     bar.close()
 
     final = save_heads(cfg, accelerator, heads, config, verifier, {**metrics, "step": step}, "final")

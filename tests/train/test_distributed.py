@@ -166,3 +166,15 @@ def test_eagle_and_draft_trainers_match_one_process_too(tiny_model_dir, tmp_path
         outs[name] = load_file(out / "final" / "model.safetensors")
     for key, ref in outs["one"].items():
         torch.testing.assert_close(outs["two"][key], ref, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_deepspeed_bf16_trains(tiny_model_dir, tmp_path):
+    """DeepSpeed bf16 holds the trained module in bf16 and accelerate's autocast is off under
+    DeepSpeed: the trainers cast their fp32 verifier features to the module's dtype."""
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero2.yaml", "--main_process_port",
+           "29539", "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV[:-1], "trainer.max_steps=2",
+           "trainer.precision=bf16", f"output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_drafter(tmp_path / "out" / "final")[3]["metrics"]["step"] == 2

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core.checkpoint import latest_checkpoint, load_training_state
+from train.core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from train.core.data import load_conversations, make_dataloader, split_heldout, tokenize_conversations
 from train.core.features import FeatureDataset, make_feature_dataloader
 
@@ -87,3 +88,30 @@ def best_so_far(output_dir, step: int, key: str) -> dict:
     if step and meta.is_file():
         return json.loads(meta.read_text())["metrics"]
     return {key: -math.inf}
+
+
+def optimizer_step(accelerator, model, loss, optimizer, tcfg) -> None:
+    """backward, clip (on the micro-batch that syncs), step, zero_grad; the LR schedule is
+    stepped by the trainer once per optimizer step, outside the accumulation loop."""
+    accelerator.backward(loss)
+    if accelerator.sync_gradients and tcfg.max_grad_norm:
+        accelerator.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save, best: dict, key: str,
+               t0: float) -> tuple[dict | None, dict]:
+    """Every trainer.eval_every steps: evaluate(), log, keep the best by `key` (save(metrics,
+    "best")); every trainer.save_every steps: the training state. -> (metrics or None, best)."""
+    tcfg, metrics = cfg.trainer, None
+    if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
+        metrics = evaluate()
+        accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
+        accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
+        if metrics[key] > best[key]:
+            best = {**metrics, "step": step}
+            save(best, "best")
+    if step % tcfg.save_every == 0 or step == tcfg.max_steps:
+        save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
+    return metrics, best
