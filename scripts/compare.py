@@ -39,6 +39,9 @@ def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     rows = []
+    if cfg.assistant and not Path(cfg.assistant).is_dir():
+        print(f"compare: no HF assisted generation: no draft model at assistant={cfg.assistant}", flush=True)
+        cfg.assistant = None
     for name, overrides in cfg.methods.items():
         if cfg.only is not None and name not in cfg.only:
             continue

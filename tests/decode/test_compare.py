@@ -9,7 +9,7 @@ from tests.hub import compose_config
 def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path):
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
         "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
-        "hf_with=prompt-lookup", f"output_dir={tmp_path}", "only=[prompt-lookup,lookahead,eagle1]",
+        "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "only=[prompt-lookup,lookahead,eagle1]",
         "methods={prompt-lookup: ['method=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
         " lookahead: ['method=lookahead', 'decode=lookahead', 'drafter=null'],"
         f" eagle1: ['method=eagle', 'drafter={tmp_path / 'missing'}', 'decode=eagle-dynamic']}}"])
