@@ -31,7 +31,6 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from models.checkpoint import save_drafter
 from models.eagle import EagleConfig, EagleDrafter
 from models.errors import DraftsmithError
 from models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
@@ -42,7 +41,8 @@ from train.core.cli import launch
 from train.core.data import IGNORE_INDEX, check_data_verifier
 from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
+from train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
+                             save_drafter_dir)
 from train.medusa import global_counts, simulated_tau
 
 
@@ -297,11 +297,11 @@ def run(cfg: DictConfig) -> dict:
         new_metrics, best = after_step(
             accelerator, cfg, step, batches, best=best, key="eval/simulated_tau", t0=t0,
             evaluate=lambda: evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed, lm_head),
-            save=lambda m, name: save_eagle(cfg, accelerator, drafter, config, verifier, m, name))
+            save=lambda m, name: save_drafter_dir(cfg, accelerator, drafter, "eagle", config, verifier, m, name))
         metrics = new_metrics or metrics
     bar.close()
 
-    final = save_eagle(cfg, accelerator, drafter, config, verifier, {**metrics, "step": step}, "final")
+    final = save_drafter_dir(cfg, accelerator, drafter, "eagle", config, verifier, {**metrics, "step": step}, "final")
     elapsed = time.time() - t0
     summary = {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
                "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
@@ -310,18 +310,6 @@ def run(cfg: DictConfig) -> dict:
     accelerator.print(f"{mcfg.name} done: {step} steps in {elapsed:.0f}s, held-out top-1 {top1}, "
                       f"simulated tau {metrics.get('eval/simulated_tau', float('nan')):.2f}, drafter -> {final}")
     return summary
-
-
-def save_eagle(cfg, accelerator, drafter, config, verifier, metrics: dict, name: str):
-    out = f"{cfg.output_dir}/{name}"
-    state = accelerator.get_state_dict(drafter)  # every process: ZeRO-3 gathers the shards here
-    if accelerator.is_main_process:  # (no module is built here: under ZeRO-3 that is a collective)
-        save_drafter(out, "eagle", None, config, state_dict=state,
-                     verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
-                     meta={"method": cfg.method.name, "metrics": metrics},
-                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-    accelerator.wait_for_everyone()
-    return out
 
 
 if __name__ == "__main__":

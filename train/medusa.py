@@ -18,7 +18,6 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
 from models.vocab import draft_vocab, label_counts, target_to_draft
 from models.verifier import load_verifier
@@ -28,7 +27,8 @@ from train.core.cli import launch
 from train.core.data import check_data_verifier
 from train.core.features import offline_verifier, read_manifest
 from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
+from train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
+                             save_drafter_dir)
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,11 +215,11 @@ def run(cfg: DictConfig) -> dict:
             accelerator, cfg, step, batches, best=best, key="eval/simulated_tau", t0=t0,
             evaluate=lambda: evaluate(verifier, heads, eval_loader, accelerator, mcfg.decay, config.num_heads,
                                       lm_head, t2d),
-            save=lambda m, name: save_heads(cfg, accelerator, heads, config, verifier, m, name))
+            save=lambda m, name: save_drafter_dir(cfg, accelerator, heads, "medusa", config, verifier, m, name))
         metrics = new_metrics or metrics
     bar.close()
 
-    final = save_heads(cfg, accelerator, heads, config, verifier, {**metrics, "step": step}, "final")
+    final = save_drafter_dir(cfg, accelerator, heads, "medusa", config, verifier, {**metrics, "step": step}, "final")
     elapsed = time.time() - t0
     summary = {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
                "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
@@ -228,18 +228,6 @@ def run(cfg: DictConfig) -> dict:
     accelerator.print(f"medusa done: {step} steps in {elapsed:.0f}s, held-out top-1 {top1}, "
                       f"simulated tau {metrics.get('eval/simulated_tau', float('nan')):.2f}, drafter -> {final}")
     return summary
-
-
-def save_heads(cfg, accelerator, heads, config, verifier, metrics: dict, name: str):
-    out = f"{cfg.output_dir}/{name}"
-    state = accelerator.get_state_dict(heads)  # every process: ZeRO-3 gathers the shards here
-    if accelerator.is_main_process:  # (no module is built here: under ZeRO-3 that is a collective)
-        save_drafter(out, "medusa", None, config, state_dict=state,
-                     verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
-                     meta={"method": cfg.method.name, "metrics": metrics},
-                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-    accelerator.wait_for_everyone()
-    return out
 
 
 if __name__ == "__main__":

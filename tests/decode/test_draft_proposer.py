@@ -26,13 +26,6 @@ from tests.decode.test_engine import (
 from tests.tiny import tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def noisy_copy(model, noise: float, seed: int = 1):
     """The verifier with Gaussian noise on its lm_head: agrees often, not always."""

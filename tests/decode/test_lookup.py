@@ -23,13 +23,6 @@ from tests.decode.test_engine import (
 from tests.tiny import tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def verifier():

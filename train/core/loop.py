@@ -115,3 +115,21 @@ def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save
     if step % tcfg.save_every == 0 or step == tcfg.max_steps:
         save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
     return metrics, best
+
+
+def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metrics: dict, name: str) -> str:
+    """output_dir/<name> (final, best) as a drafter checkpoint of `kind`, from every process:
+    ZeRO-3 gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that
+    would be a collective on one rank)."""
+    from omegaconf import OmegaConf
+
+    from models.checkpoint import save_drafter
+
+    out = f"{cfg.output_dir}/{name}"
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        save_drafter(out, kind, None, config, state_dict=state, verifier_fingerprint=verifier.fingerprint,
+                     verifier_name=verifier.name, meta={"method": cfg.method.name, "metrics": metrics},
+                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+    accelerator.wait_for_everyone()
+    return out
