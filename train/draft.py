@@ -200,6 +200,9 @@ def run(cfg: DictConfig) -> dict:
             save=lambda m, name: save_student(cfg, accelerator, student, verifier, m, name))
         metrics = new_metrics or metrics
     bar.close()
+    if not metrics:  # max_steps=0 (the undistilled baseline) or a finished run resumed: evaluate what is saved
+        metrics = evaluate(student, verifier, eval_loader, accelerator, mcfg)
+        accelerator.log(metrics, step=step)
 
     final = save_student(cfg, accelerator, student, verifier, {**metrics, "step": step}, "final")
     elapsed = time.time() - t0

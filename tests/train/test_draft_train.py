@@ -37,6 +37,17 @@ def test_each_divergence_trains_and_raises_acceptance(tiny_model_dir, tmp_path, 
     assert 0 < summary["eval/acceptance_rate"] <= 1 and 1 <= summary["eval/chain_tau_sampled"] <= 5
 
 
+def test_untrained_student_is_evaluated_and_saved(tiny_model_dir, tmp_path):
+    """max_steps=0 saves the student before any distillation, with its held-out acceptance:
+    the baseline a distilled draft must beat."""
+    out = tmp_path / "run"
+    summary = run(_cfg(tiny_model_dir, out, "trainer.max_steps=0"))
+    assert summary["steps"] == 0 and 0 < summary["eval/acceptance_rate"] <= 1
+    assert _metric(out, "eval/acceptance_rate") == [summary["eval/acceptance_rate"]]
+    _, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
+    assert meta["metrics"]["eval/acceptance_rate"] == summary["eval/acceptance_rate"]
+
+
 def test_on_policy_steps_and_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(tiny_model_dir, out, "method.onpolicy.ratio=0.5", "method.onpolicy.max_new_tokens=6")
