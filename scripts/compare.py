@@ -7,7 +7,10 @@
 
 Every cell (method x dataset x temperature) is one decode/evaluate.py run in this process,
 with plain decoding interleaved on the same prompts, so speedups are same-run ratios; tau does
-not depend on the machine. Writes output_dir/compare.{json,md} and each cell's evaluate folder.
+not depend on the machine. Writes output_dir/compare.{json,md} and each cell's evaluate folder
+(with cell.yaml, the cell's full config). A rerun into the same output_dir reuses every cell
+whose cell.yaml matches exactly (a stopped comparison resumes; a changed setting re-runs that
+cell); `rerun=true` runs them all again.
 """
 from __future__ import annotations
 
@@ -36,6 +39,23 @@ def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature
         return compose("evaluate", overrides=overrides)
 
 
+def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
+    """The cell's evaluate report: reused from out/results.json when out/cell.yaml is this exact
+    config (and the drafter's meta.json), else run; cell.yaml is written after results.json, so
+    a killed cell re-runs."""
+    want = OmegaConf.to_yaml(cell, resolve=True)
+    if cell.get("drafter") and (Path(cell.drafter) / "meta.json").is_file():  # a re-trained drafter re-runs
+        want += "# drafter meta.json: " + json.dumps(json.loads((Path(cell.drafter) / "meta.json").read_text()),
+                                                      sort_keys=True) + "\n"
+    done = out / "cell.yaml"
+    if not rerun and done.is_file() and done.read_text() == want and (out / "results.json").is_file():
+        print(f"compare: reusing {out} (same config; rerun=true to run it again)", flush=True)
+        return json.loads((out / "results.json").read_text())
+    report = evaluate(cell)
+    done.write_text(want)
+    return report
+
+
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     rows = []
@@ -52,13 +72,16 @@ def run(cfg: DictConfig) -> dict:
         for dataset in cfg.datasets:
             for temperature in cfg.temperatures:
                 out = out_dir / f"{name}-{dataset}-T{temperature}"
-                report = evaluate(cell_config(cfg, list(overrides), dataset, float(temperature), out,
-                                              hf=name == cfg.hf_with))
+                cell = cell_config(cfg, list(overrides), dataset, float(temperature), out, hf=name == cfg.hf_with)
+                report = run_cell(cell, out, rerun=bool(cfg.rerun))
                 method = next(m for m in report["methods"] if m != "vanilla" and not m.startswith("hf_"))
                 ours = report["methods"][method]
                 row = {"method": name, "dataset": dataset, "temperature": float(temperature), "tau": ours["tau"],
                        "speedup": ours["speedup"], "tokens_per_s": ours["tokens_per_s"],
                        "vanilla_tokens_per_s": report["methods"]["vanilla"]["tokens_per_s"],
+                       "latency_median_ms": ours["latency_median_ms"], "latency_p99_ms": ours["latency_p99_ms"],
+                       "vanilla_latency_median_ms": report["methods"]["vanilla"]["latency_median_ms"],
+                       "vanilla_latency_p99_ms": report["methods"]["vanilla"]["latency_p99_ms"],
                        "greedy_identity_rate": ours.get("greedy_identity_rate"),
                        "unexplained_divergences": ours.get("greedy_divergences_unexplained"), "lossy": report["lossy"]}
                 rows.append(row)
@@ -98,6 +121,18 @@ def markdown(rows: list[dict], cfg) -> str:
             if t == 0.0 and r["greedy_identity_rate"] is not None:
                 ident.append(f"{r['greedy_identity_rate']:.0%} ({r['unexplained_divergences']} non-tie)")
         lines.append(f"| {method} | " + " | ".join(parts) + f" | {', '.join(ident) or '-'} |")
+    head = " | ".join(f"{d} T={t:g}" for d, t in cells)
+    lines += ["", "Per-token latency, median / p99 ms (a step's wall time over the tokens it emitted; "
+              "prefill counted for the first token), ours vs plain decoding in the same cells:", "",
+              f"| method | {head} |", "|---|" + "---|" * len(cells)]
+    ours = [r for r in rows if "latency_median_ms" in r]
+    for method in dict.fromkeys(r["method"] for r in ours):
+        parts = []
+        for d, t in cells:
+            r = next((r for r in ours if r["method"] == method and r["dataset"] == d and r["temperature"] == t), None)
+            parts.append("-" if r is None else f"{r['latency_median_ms']:.0f} / {r['latency_p99_ms']:.0f} "
+                         f"(plain {r['vanilla_latency_median_ms']:.0f} / {r['vanilla_latency_p99_ms']:.0f})")
+        lines.append(f"| {method} | " + " | ".join(parts) + " |")
     return "\n".join(lines)
 
 

@@ -1,12 +1,15 @@
 """scripts/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
 import json
 
+from omegaconf import OmegaConf
+
+from scripts import compare
 from scripts.compare import run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 
 
-def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path):
+def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path, monkeypatch):
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
         "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
         "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "only=[prompt-lookup,lookahead,eagle1]",
@@ -25,3 +28,15 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     table = (tmp_path / "compare.md").read_text()
     assert "| prompt-lookup |" in table and "| lookahead |" in table and "eagle1" not in table
     assert json.loads((tmp_path / "compare.json").read_text())["rows"] == rows
+    assert "Per-token latency" in table and all(r["latency_p99_ms"] >= r["latency_median_ms"] > 0 for r in ours)
+
+    # a rerun reuses the finished cells; a cell without its cell.yaml (killed, or its config changed) re-runs
+    calls = []
+    real = compare.evaluate
+    monkeypatch.setattr(compare, "evaluate", lambda cell: calls.append(cell.output_dir) or real(cell))
+    (tmp_path / "lookahead-tiny-T0.7" / "cell.yaml").write_text("decode: {window: 99}\n")
+    again = compare.run(cfg)["rows"]
+    assert calls == [str(tmp_path / "lookahead-tiny-T0.7")]
+    assert [(r["method"], r["tau"]) for r in again] == [(r["method"], r["tau"]) for r in rows]
+    compare.run(OmegaConf.merge(cfg, {"rerun": True}))
+    assert len(calls) == 1 + 4
