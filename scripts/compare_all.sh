@@ -25,4 +25,4 @@ done
 python train/draft.py $draft method=draft-rkl output_dir="$OUT/draft-rkl" "$@"
 # the same student before any distillation: the baseline that distillation must beat
 python train/draft.py $draft trainer.max_steps=0 output_dir="$OUT/draft-untrained" "$@"
-python scripts/compare.py "$@"
+python scripts/compare.py cmp_dir="$OUT" "$@"

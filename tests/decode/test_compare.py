@@ -40,3 +40,14 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     assert [(r["method"], r["tau"]) for r in again] == [(r["method"], r["tau"]) for r in rows]
     compare.run(OmegaConf.merge(cfg, {"rerun": True}))
     assert len(calls) == 1 + 4
+
+
+def test_catalog_follows_cmp_dir(tmp_path):
+    """compare_all.sh trains into OUT and passes cmp_dir=OUT: every catalog drafter and the HF
+    assistant must point there (a stale outputs/cmp path would silently skip the methods)."""
+    cfg = compose_config("compare", [f"cmp_dir={tmp_path}"])
+    drafters = {name: next(o.split("=", 1)[1] for o in ov if o.startswith("drafter=")) for name, ov in cfg.methods.items()}
+    trained = {name: path for name, path in drafters.items() if path != "null"}
+    assert {"medusa1", "eagle1", "eagle3", "draft-fkl", "draft-untrained"} <= set(trained)
+    assert all(path.startswith(f"{tmp_path}/") for path in trained.values()), trained
+    assert cfg.assistant == f"{tmp_path}/draft-fkl/final"
