@@ -102,6 +102,11 @@ def run(cfg: DictConfig) -> dict:
     return {"rows": rows}
 
 
+def cell_row(rows: list[dict], method: str, dataset: str, temperature: float) -> dict | None:
+    return next((r for r in rows if (r["method"], r["dataset"], r["temperature"]) == (method, dataset, temperature)),
+                None)
+
+
 def markdown(rows: list[dict], cfg) -> str:
     """One line per method: tau and speedup vs plain decoding per dataset x temperature."""
     cells = [(d, float(t)) for d in cfg.datasets for t in cfg.temperatures]
@@ -112,7 +117,7 @@ def markdown(rows: list[dict], cfg) -> str:
     for method in dict.fromkeys(r["method"] for r in rows):
         parts, ident = [], []
         for d, t in cells:
-            r = next((r for r in rows if r["method"] == method and r["dataset"] == d and r["temperature"] == t), None)
+            r = cell_row(rows, method, d, t)
             if r is None:
                 parts.append("-")
                 continue
@@ -129,7 +134,7 @@ def markdown(rows: list[dict], cfg) -> str:
     for method in dict.fromkeys(r["method"] for r in ours):
         parts = []
         for d, t in cells:
-            r = next((r for r in ours if r["method"] == method and r["dataset"] == d and r["temperature"] == t), None)
+            r = cell_row(ours, method, d, t)
             parts.append("-" if r is None else f"{r['latency_median_ms']:.0f} / {r['latency_p99_ms']:.0f} "
                          f"(plain {r['vanilla_latency_median_ms']:.0f} / {r['vanilla_latency_p99_ms']:.0f})")
         lines.append(f"| {method} | " + " | ".join(parts) + " |")

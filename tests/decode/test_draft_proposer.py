@@ -26,7 +26,6 @@ from tests.decode.test_engine import (
 from tests.tiny import tiny_llama
 
 
-
 def noisy_copy(model, noise: float, seed: int = 1):
     """The verifier with Gaussian noise on its lm_head: agrees often, not always."""
     draft = copy.deepcopy(model)

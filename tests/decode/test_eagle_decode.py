@@ -29,7 +29,6 @@ DYNAMIC = dict(depth=4, top_k=3, total_tokens=10)
 TREES = {"chain": dict(paths=CHAIN), "static": dict(paths=STATIC), "dynamic": DYNAMIC}
 
 
-
 def greedy_corpus(model, n: int = 32, prompt_len: int = 8, new: int = 40, seed: int = 0) -> torch.Tensor:
     prompts = torch.randint(4, 100, (n, prompt_len), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -30,7 +30,6 @@ def tree_paths(name: str) -> list[list[int]]:
     return yaml.safe_load((CONF / f"{name}.yaml").read_text())["paths"]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # greedy identity
 

@@ -23,7 +23,6 @@ from tests.decode.test_engine import (
 from tests.tiny import tiny_llama
 
 
-
 @pytest.fixture(scope="module")
 def verifier():
     return tiny_llama(eos_token_id=None)

@@ -10,6 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from models.checkpoint import save_drafter
 from train.core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from train.core.data import load_conversations, make_dataloader, split_heldout, tokenize_conversations
 from train.core.features import FeatureDataset, make_feature_dataloader
@@ -121,10 +124,6 @@ def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metri
     """output_dir/<name> (final, best) as a drafter checkpoint of `kind`, from every process:
     ZeRO-3 gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that
     would be a collective on one rank)."""
-    from omegaconf import OmegaConf
-
-    from models.checkpoint import save_drafter
-
     out = f"{cfg.output_dir}/{name}"
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
