@@ -40,6 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from decode.cache import check_compactable, compact_cache
 from decode.proposers import DraftTree, Proposer, SamplingParams
+from decode import sampling
 from decode.sampling import logits_to_probs
 from decode.tree import ancestor_mask
 from models.errors import DraftsmithError, choose
@@ -53,17 +54,12 @@ def sample_without_replacement(
 ) -> list[int]:
     """Up to ``width`` distinct tokens drawn one after another from q (V,), each from q with the
     earlier draws zeroed and renormalised (the law ``rejection_walk`` assumes for siblings);
-    fewer when q has fewer tokens with mass."""
+    fewer when q has fewer tokens with mass. Every draw is a float64 inverse CDF."""
     out: list[int] = []
-    q = q.clone()  # (V,)
-    for _ in range(width):
-        x = int(torch.multinomial(q, 1, generator=generator))
-        out.append(x)
-        q[x] = 0.0
-        mass = float(q.sum())
-        if not mass > 0:
-            break
-        q /= mass
+    law = q.double()  # (V,)
+    while len(out) < width and law is not None:
+        out.append(sampling.sample(law, generator))
+        law = sampling.without(q, out)
     return out
 
 

@@ -34,6 +34,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from decode import sampling
 from decode.cache import check_compactable, compact_cache
 from decode.proposers import DraftTree, Proposer, SamplingParams, VanillaProposer
+from models.errors import DraftsmithError
 
 ACCEPTANCE_KEYS = ("auto", "greedy", "rejection", "typical")
 # Attention implementations known to add a 4D float mask to the scores as given.
@@ -129,16 +130,22 @@ def _resolve_acceptance(acceptance: str, temperature: float) -> str:
     return acceptance
 
 
-def _check_logits_head(model: PreTrainedModel) -> None:
-    """lm_head(hidden) must be the model's logits; refuse configs that post-process them."""
+def check_architecture(model: PreTrainedModel) -> None:
+    """Refuse, before any work and in one line naming the setting, a verifier the engine cannot
+    decode exactly: logits post-processed after lm_head, or a KV cache that cannot drop the
+    rejected tree nodes (active sliding-window layers, recurrent state)."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     softcap = getattr(cfg, "final_logit_softcapping", None)
     scale = getattr(cfg, "logit_scale", None)
     if softcap is not None or scale not in (None, 1, 1.0):
-        raise ValueError(
-            f"{type(model).__name__} post-processes its logits (final_logit_softcapping={softcap}, "
-            f"logit_scale={scale}); the engine's lm_head(hidden) would differ from model(...).logits"
+        raise DraftsmithError(
+            f"{type(model).__name__} post-processes its logits (config.final_logit_softcapping={softcap}, "
+            f"config.logit_scale={scale}); the engine's lm_head(hidden) would differ from model(...).logits"
         )
+    try:
+        check_compactable(DynamicCache(config=model.config))
+    except TypeError as e:
+        raise DraftsmithError(f"{type(model).__name__} (config.model_type={cfg.model_type!r}): {e}") from None
 
 
 def generate(
@@ -175,7 +182,8 @@ def generate(
         Generation stops after the first EOS, which is included, as in HF generate.
       stop_strings / tokenizer: stop after the token that completes a stop string (HF's
         StopStringCriteria, run on prompt + generated ids, so the same matches as generate).
-      generator: torch.Generator for every random draw (sampling and acceptance).
+      generator: torch.Generator for every random draw (sampling and acceptance); None uses
+        torch's default generator (seed it with torch.manual_seed for reproducible samples).
       posterior_threshold / posterior_alpha: typical acceptance only.
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
@@ -192,7 +200,7 @@ def generate(
     params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     if rule_name == "rejection":  # validate top_k / top_p before any work
         sampling.logits_to_probs(torch.zeros(1, 2), params.temperature, params.top_k, params.top_p)
-    _check_logits_head(model)
+    check_architecture(model)
     proposer = VanillaProposer(input_ids.device) if proposer is None else proposer
     stop = _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer)
     decoder, lm_head, dtype = model.get_decoder(), model.get_output_embeddings(), model.dtype
@@ -202,7 +210,6 @@ def generate(
     with torch.inference_mode():
         t_start = time.perf_counter()
         cache = DynamicCache(config=model.config)
-        check_compactable(cache)  # the layers are built from the config: fail before any work
         hidden, extra = _decoder_forward(decoder, layers, input_ids=input_ids, cache=cache, use_cache=True)  # (T, H)
         first = _first_token(lm_head(hidden[-1]), rule_name, params, generator)
         proposer.prefill(input_ids[0], hidden, params, **extra)
@@ -290,7 +297,7 @@ def _first_token(logits: torch.Tensor, rule_name: str, params: SamplingParams, g
     """The token after the prompt from its last logits (V,), as the verifier alone picks it."""
     if rule_name == "rejection":
         probs = sampling.logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (V,)
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return sampling.sample(probs, generator)  # float64 inverse CDF
     return int(logits.argmax())  # greedy; typical also takes the argmax (Medusa's fast mode)
 
 

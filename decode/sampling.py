@@ -22,13 +22,19 @@ from decode.tree import ancestor_mask, path_to
 def logits_to_probs(
     logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:
-    """(..., V) logits -> (..., V) processed sampling probabilities, in the logits' dtype.
+    """(..., V) logits in any dtype -> (..., V) processed sampling probabilities in float64.
+
+    The verifier's law is defined from its logits as computed in its own dtype (bf16 logits are
+    the bf16 model's output), but every step after that runs in float64: a bf16 softmax or
+    cumsum over a 49k vocabulary puts the CDF on a 2^-8 grid, so only a few hundred tokens could
+    ever be drawn. HF ``generate`` processes logits in fp32; float64 leaves no visible error.
 
     Rule, in HF ``generate``'s order: divide by ``temperature`` (> 0; greedy decoding is
     ``greedy_walk``, not temperature 0); if ``0 < top_k < V`` keep the tokens whose logit is
     >= the k-th largest (ties at the k-th value are all kept); softmax; if ``top_p < 1`` keep
     the smallest set of most likely tokens whose mass is >= top_p, i.e. a token is kept iff
-    the mass of the tokens sorted before it is < top_p (so the top token is always kept);
+    the mass of the tokens MORE likely than it is < top_p (so the top token is always kept,
+    and tokens tied in probability are kept or cut together, as top-k keeps its ties);
     renormalise. The engine applies this same transform to the target p and the draft q.
     """
     if not temperature > 0:
@@ -37,7 +43,7 @@ def logits_to_probs(
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    scores = logits / temperature  # (..., V)
+    scores = logits.double() / temperature  # (..., V) float64 from here on
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -45,6 +51,13 @@ def logits_to_probs(
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (..., V)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (..., V)
+        # tokens of equal probability share the mass before their tie group: ties are all kept
+        # or all cut (low-precision logits tie often), so the law does not depend on sort order
+        idx = torch.arange(sorted_probs.shape[-1], device=probs.device).expand_as(sorted_probs)
+        new_group = torch.ones_like(sorted_probs, dtype=torch.bool)
+        new_group[..., 1:] = sorted_probs[..., 1:] != sorted_probs[..., :-1]
+        group_start = torch.where(new_group, idx, 0).cummax(dim=-1).values  # (..., V)
+        mass_before = mass_before.gather(-1, group_start)
         keep_sorted = mass_before < top_p
         keep_sorted[..., 0] = True  # the most likely token always survives
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # (..., V)
@@ -120,7 +133,7 @@ def typical_walk(
     if not temperature > 0:
         raise ValueError(f"typical acceptance needs temperature > 0, got {temperature}")
     parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
-    probs = torch.softmax(target_logits / temperature, dim=-1)  # (n, V)
+    probs = torch.softmax(target_logits.double() / temperature, dim=-1)  # (n, V) float64
     entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # (n,)
     threshold = torch.minimum(
         torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy)
@@ -140,39 +153,59 @@ def _accept_prob(p_x: float, q_x: float) -> float:
     return min(1.0, p_x / q_x)
 
 
+def _accept(u: float, p_x: float, q_x: float) -> bool:
+    """One acceptance decision: a uniform u in [0, 1) below min(1, p(x) / q(x))."""
+    return u < _accept_prob(p_x, q_x)
+
+
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Target law after rejecting a draft from q: norm(max(p - q, 0)), (V,) -> (V,).
+    """Target law after rejecting a draft from q: norm(max(p - q, 0)), (V,) -> (V,) float64.
 
     It has no mass only when p <= q everywhere, i.e. p == q, where rejection has probability
     zero and happens only through rounding; then p is kept (any choice costs ~1e-16 in law).
     """
-    r = (p - q).clamp_(min=0.0)  # (V,)
+    p = p.double()
+    r = (p - q.double()).clamp_(min=0.0)  # (V,)
     total = float(r.sum())
     return r.div_(total) if total > 0 else p
 
 
-def _without(q: torch.Tensor, x: int) -> torch.Tensor | None:
-    """Law of the next sibling drawn without replacement: q with x zeroed, renormalised.
-
-    None when nothing is left.
-    """
-    q = q.clone()  # (V,)
-    q[x] = 0.0
+def without(q: torch.Tensor, removed: list[int]) -> torch.Tensor | None:
+    """Law of the next sibling drawn without replacement: the ORIGINAL draft law q (V,) with
+    every token drawn before (``removed``) zeroed, renormalised, in float64. None when nothing
+    is left."""
+    q = q.double().clone()  # (V,)
+    q[removed] = 0.0
     mass = float(q.sum())
     return q.div_(mass) if mass > 0 else None
 
 
-def _sample(p: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw of one token from p (V,), given a uniform u in [0, 1).
+def _sample(p: torch.Tensor, u: float | torch.Tensor) -> int | torch.Tensor:
+    """Inverse-CDF draw from p (V,) (any dtype; the CDF is built in float64) given a uniform u
+    in [0, 1): a float gives an int, a tensor (m,) of uniforms gives (m,) long tokens.
 
-    A zero-probability token is never drawn: it adds nothing to the cumulative sum, and the
-    first index whose cumulative mass exceeds u * total is taken.
+    Token i is drawn iff cdf[i-1] <= u * total < cdf[i]: exactly probability p(i) / total. A
+    zero-probability token is never drawn (it adds nothing to the cumulative sum).
     """
-    cdf = torch.cumsum(p, dim=0)  # (V,)
-    token = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
-    if token >= p.numel():  # u * total rounded up to the total: take the last likely token
-        token = int(p.nonzero()[-1])
-    return token
+    cdf = torch.cumsum(p.double(), dim=0)  # (V,)
+    scalar = not isinstance(u, torch.Tensor)
+    u_t = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(-1)  # (m,)
+    tokens = torch.searchsorted(cdf, cdf[-1] * u_t, right=True)  # (m,)
+    over = tokens >= p.numel()  # u * total rounded up to the total: take the last likely token
+    if bool(over.any()):
+        tokens[over] = int(p.nonzero()[-1])
+    return int(tokens[0]) if scalar else tokens
+
+
+def _uniforms(n: int, generator: torch.Generator | None, device) -> list[float]:
+    """n float64 uniforms in [0, 1) from ``generator`` (None: torch's default generator)."""
+    device = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=device).tolist()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token from probs (V,) by inverse CDF with one float64 uniform from ``generator``."""
+    return _sample(probs, _uniforms(1, generator, probs.device)[0])
 
 
 def rejection_walk(
@@ -181,7 +214,7 @@ def rejection_walk(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     sampled: torch.Tensor | None,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """Lossless recursive rejection sampling over a tree (SpecInfer / EAGLE multi-draft).
 
@@ -203,8 +236,10 @@ def rejection_walk(
     Each step preserves the law: given x ~ q, accepting with min(1, p/q) and otherwise drawing
     from norm((p - q)+) yields exactly p, and the later children (whatever q they come from)
     are only ever used to draw from that residual. Every random number comes from
-    ``generator`` (any device): n uniforms drawn up front, one per child (each child is tried
-    at most once) and one (the root's slot) for next_token, drawn from p by inverse CDF.
+    ``generator`` (any device; None = torch's default generator): n float64 uniforms drawn up
+    front, one per child (each child is tried at most once) and one (the root's slot) for
+    next_token, drawn from p by inverse CDF. Every law (residuals, q without the tried tokens,
+    the CDF) is computed in float64 whatever the dtype of the inputs.
 
     Returns (path, next_token); path starts at 0. Raises ValueError if a sampled child's token
     has draft probability 0 (it cannot have come from that q).
@@ -222,14 +257,14 @@ def rejection_walk(
     else:
         is_sampled = torch.as_tensor(sampled, dtype=torch.bool).tolist()
     # uniform[c] decides child c (each child is tried at most once), uniform[0] the next token
-    uniform = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
-    uniform = uniform.tolist()
+    uniform = _uniforms(n, generator, target_probs.device)
 
     path = [0]
     u = 0
     while True:
-        p = target_probs[u]  # (V,) residual; rebound, never modified in place
-        q = draft_probs[u] if is_sampled[u] else None  # (V,) law of the untried children
+        p = target_probs[u].double()  # (V,) residual; rebound, never modified in place
+        q = draft_probs[u].double() if is_sampled[u] else None  # (V,) law of the untried children
+        q_orig, tried = q, []
         moved = False
         for c in children[u]:
             x = tok[c]
@@ -239,7 +274,7 @@ def rejection_walk(
                     f"node {c} (token {x}) has draft probability 0 under draft_probs[{u}]: "
                     "it cannot have been sampled from it"
                 )
-            if uniform[c] < _accept_prob(float(p[x]), q_x):
+            if _accept(uniform[c], float(p[x]), q_x):
                 path.append(c)
                 u = c
                 moved = True
@@ -250,7 +285,8 @@ def rejection_walk(
                 p = _residual(p, delta)
             else:
                 p = _residual(p, q)
-                q = _without(q, x)
+                tried.append(x)
+                q = without(q_orig, tried)
                 if q is None:
                     break  # the draft law is exhausted: no further child can come from it
         if not moved:

@@ -227,8 +227,11 @@ def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> 
 
 @contextlib.contextmanager
 def gathered(model: PreTrainedModel, name: str, tensor: torch.Tensor):
-    """The full tensor, gathering a ZeRO-3-partitioned parameter (loaded under zero.Init) first."""
-    param = dict(model.named_parameters()).get(name) if tensor.numel() == 0 else None
+    """The full tensor, gathering a ZeRO-3-partitioned parameter (loaded under zero.Init) first.
+
+    Tied parameters (a tied lm_head.weight is the embedding) are found under every name they
+    have in the state dict, so a partitioned tied weight is gathered like any other."""
+    param = dict(model.named_parameters(remove_duplicate=False)).get(name) if tensor.numel() == 0 else None
     if param is None or not hasattr(param, "ds_id"):
         yield tensor
         return

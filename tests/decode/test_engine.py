@@ -350,3 +350,14 @@ def test_sampling_law_catches_a_broken_rule(monkeypatch, broken, samples):
     counts = engine_counts(model, proposer, samples, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
+
+
+def test_sampling_without_a_generator_uses_torchs_default(greedy_setup):
+    """generate(temperature > 0) needs no generator: torch's default one, seeded as usual."""
+    model, proposers = greedy_setup
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(generate(model, prompt(108), proposer=proposers["medusa-small"], max_new_tokens=12,
+                             temperature=0.9).tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 12

@@ -421,8 +421,8 @@ def residual_is_p(p, q):
     return p  # broken: after a rejection, keep sampling from p instead of norm((p - q)+)
 
 
-def keep_rejected_draft(q, x):
-    return q  # broken (subtle): the next sibling's q still holds the rejected token
+def keep_rejected_draft(q, removed):
+    return q.double()  # broken (subtle): the next sibling's q still holds the rejected tokens
 
 
 @pytest.mark.slow
@@ -431,7 +431,7 @@ def keep_rejected_draft(q, x):
     [
         ("_accept_prob", accept_q_over_p, "chain"),
         ("_residual", residual_is_p, "topk"),
-        ("_without", keep_rejected_draft, "sampled"),
+        ("without", keep_rejected_draft, "sampled"),
     ],
 )
 def test_law_check_catches_broken_rules(monkeypatch, helper, broken, shape):

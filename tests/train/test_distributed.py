@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from models.checkpoint import load_drafter
 from tests.conftest import tiny_model_overrides
+from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -47,28 +48,63 @@ EQUIV = ["data=tiny", "trainer=debug", "logger=none", "method.num_heads=2", "tra
 
 
 @pytest.fixture(scope="module")
-def one_process_heads(tiny_model_dir, tmp_path_factory):
+def tied_model_dir(tmp_path_factory):
+    """A tiny verifier with tied embeddings, as SmolLM2 has (a tied lm_head.weight is the
+    embedding: under ZeRO-3 it is partitioned under both names)."""
+    folder = tmp_path_factory.mktemp("tied-verifier")
+    tiny_llama(dtype=torch.float32, tie_word_embeddings=True).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def verifier_fingerprint(tied_model_dir):
+    from omegaconf import OmegaConf
+
+    from models.verifier import load_verifier
+
+    return load_verifier(OmegaConf.create({"name": "tiny", "source": "hf", "path": str(tied_model_dir)})).fingerprint
+
+
+@pytest.fixture(scope="module")
+def one_process_heads(tied_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-process")
-    cmd = ["python", "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV, f"output_dir={out}"]
+    cmd = ["python", "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_file(out / "final" / "model.safetensors")
+    return load_file(out / "final" / "model.safetensors"), out / "final"
+
+
+def loads_in_the_evaluator(drafter_dir, model_dir) -> str:
+    """decode/evaluate.py's own proposer construction (fingerprint check included) -> the
+    fingerprint the drafter recorded."""
+    from decode.evaluate import build_proposer
+    from models.verifier import load_verifier
+    from tests.hub import compose_config
+
+    cfg = compose_config("evaluate", [*tiny_model_overrides(model_dir), "method=medusa", f"drafter={drafter_dir}",
+                                      "decode=chain4", "decode.paths=[[0],[0,0]]"])
+    proposer, meta = build_proposer(cfg, load_verifier(cfg.model))
+    assert proposer is not None
+    return meta["verifier_fingerprint"]
 
 
 @pytest.mark.parametrize("launch_config,env_extra,placement", [
     ("cpu-2proc.yaml", {"ACCELERATE_USE_CPU": "1"}, "replicated on cpu"),
     ("cpu-2proc-zero2.yaml", {}, "replicated on cpu"),
-    ("cpu-2proc-zero3.yaml", {}, "ZeRO-3 sharded over 2 processes (13,392 of 26,784 params held here)"),
+    ("cpu-2proc-zero3.yaml", {}, "ZeRO-3 sharded over 2 processes (11,344 of 22,688 params held here)"),
 ])
-def test_two_processes_train_the_same_heads_as_one(one_process_heads, tiny_model_dir, tmp_path, launch_config,
-                                                   env_extra, placement):
+def test_two_processes_train_the_same_heads_as_one(one_process_heads, tied_model_dir, verifier_fingerprint, tmp_path,
+                                                   launch_config, env_extra, placement):
     """DDP, DeepSpeed ZeRO-2 and ZeRO-3 on 2 CPU processes, global batch 4 split in halves, end
     with the heads of a 1-process run (rounding aside), across epoch boundaries; ZeRO-3 also
-    partitions the frozen verifier (half of its parameters per process)."""
+    partitions the frozen verifier (half of its parameters per process). Every run records the
+    verifier's one fingerprint, however it was loaded and sharded, and loads in the evaluator."""
+    reference, one_dir = one_process_heads
     out = tmp_path / "out"
     cmd = ["accelerate", "launch", "--config_file", f"conf/accelerate/{launch_config}", "--main_process_port",
-           "29534", "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV, f"output_dir={out}"]
+           "29534", "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     proc = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1", **env_extra}, capture_output=True,
                           text=True, timeout=600)
@@ -76,11 +112,40 @@ def test_two_processes_train_the_same_heads_as_one(one_process_heads, tiny_model
     log = proc.stdout + proc.stderr
     assert placement in log and log.count("medusa done") == 1
     heads = load_file(out / "final" / "model.safetensors")
-    assert heads.keys() == one_process_heads.keys()
-    for name, ref in one_process_heads.items():
+    assert heads.keys() == reference.keys()
+    for name, ref in reference.items():
         torch.testing.assert_close(heads[name], ref, rtol=1e-4, atol=1e-5, msg=name)
     _, _, _, meta = load_drafter(out / "final")
     assert meta["metrics"]["step"] == 6
+    assert loads_in_the_evaluator(one_dir, tied_model_dir) == verifier_fingerprint
+    assert loads_in_the_evaluator(out / "final", tied_model_dir) == verifier_fingerprint
+
+
+def test_offline_features_record_the_same_fingerprint(tied_model_dir, verifier_fingerprint, tmp_path):
+    """Heads trained from stored features carry the fingerprint of the verifier that wrote them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    model = tiny_model_overrides(tied_model_dir)
+    prep = subprocess.run(["python", "scripts/prepare_features.py", *model, "data=tiny", f"output_dir={tmp_path / 'f'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    train = subprocess.run(["python", "train/medusa.py", *model, *EQUIV, f"data.features={tmp_path / 'f'}",
+                            f"output_dir={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert loads_in_the_evaluator(tmp_path / "out" / "final", tied_model_dir) == verifier_fingerprint
+
+
+def test_a_launch_that_would_drop_deepspeed_is_refused(tied_model_dir, tmp_path):
+    """ACCELERATE_USE_CPU=1 (right for the DDP config) makes accelerate drop DeepSpeed from a
+    ZeRO-3 launch and train with DDP: the trainer stops in one line saying so."""
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero3.yaml", "--main_process_port",
+           "29540", "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("draftsmith: error: the launch asked for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but accelerate would "
+            "run MULTI_CPU without it; unset ACCELERATE_USE_CPU") in proc.stderr
+    assert not (tmp_path / "final").exists()
 
 
 @pytest.mark.parametrize("tied", ["untied", "tied"])

@@ -48,6 +48,28 @@ def check_world(num_processes: int) -> None:
             f"work alone; on CPU launch with ACCELERATE_USE_CPU=1 (see conf/accelerate/cpu-2proc.yaml)")
 
 
+# What `accelerate launch` puts in the environment when its config asks for an engine.
+ENGINE_FLAGS = {"DeepSpeed": ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
+                "FSDP": ("ACCELERATE_USE_FSDP", DistributedType.FSDP)}
+
+
+def check_engine(acc: Accelerator) -> None:
+    """Stop when the launch asked for DeepSpeed or FSDP and the accelerator is something else
+    (e.g. ACCELERATE_USE_CPU=1 makes accelerate drop DeepSpeed and run DDP without a word)."""
+    for engine, (flag, wanted) in ENGINE_FLAGS.items():
+        if not parse_flag_from_env(flag) or acc.distributed_type == wanted:
+            continue
+        if parse_flag_from_env("ACCELERATE_USE_CPU"):
+            fix = f"unset ACCELERATE_USE_CPU (on a CPU box {engine} runs over gloo without it)" if engine == "DeepSpeed" \
+                else "accelerate's FSDP needs GPUs; on CPU use a DeepSpeed ZeRO-3 launch config (conf/accelerate/cpu-2proc-zero3.yaml)"
+        elif engine == "FSDP" and not torch.cuda.is_available():
+            fix = "accelerate's FSDP needs GPUs; on CPU use a DeepSpeed ZeRO-3 launch config (conf/accelerate/cpu-2proc-zero3.yaml)"
+        else:
+            fix = f"check that {engine} is installed and the launch config's {engine} section is valid"
+        raise DraftsmithError(f"the launch asked for {engine} ({flag}=true) but accelerate would run "
+                              f"{acc.distributed_type.value} without it; {fix}")
+
+
 def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file INFO lines on every save
     mixed = choose(PRECISIONS, trainer_cfg.precision, "trainer.precision")
@@ -61,6 +83,7 @@ def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
                       dataloader_config=DataLoaderConfiguration(split_batches=bool(trainer_cfg.get("split_batches"))),
                       step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     check_world(acc.num_processes)
+    check_engine(acc)
     if trainer_cfg.get("split_batches") and trainer_cfg.batch_size % acc.num_processes:
         raise DraftsmithError(f"trainer.batch_size={trainer_cfg.batch_size} is the global batch "
                               f"(trainer.split_batches=true) and must divide by the {acc.num_processes} processes")

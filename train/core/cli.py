@@ -4,43 +4,57 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist."""
+    """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist.
+    A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists."""
     for arg in overrides:
         key = arg.split("=", 1)[0]
         if "=" not in arg or key.startswith(("+", "~", "hydra.")) or "." not in key or "@" in key:
             continue  # additions, deletions, Hydra's own keys and group choices are Hydra's job
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
-            if not isinstance(node, DictConfig) or part not in node:
+            if not isinstance(node, DictConfig) or part not in node.keys():
                 where = ".".join(parts[:i]) or "the top level"
                 valid = ", ".join(sorted(str(k) for k in node)) if isinstance(node, DictConfig) else "(not a group)"
                 return f"unknown config key {key!r}: {where} has no {part!r}; valid: {valid}"
-            node = node[part]
+            node = node._get_node(part) if OmegaConf.is_missing(node, part) else node[part]
     return None
 
 
-def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:
-    """Compose the config like Hydra would and stop on a misspelt key before any work starts."""
+def config_problem(config_name: str, argv: list[str]) -> str | None:
+    """What the entry script would refuse in these overrides, before any work: a misspelt key,
+    or a data key that the chosen data source would ignore. None when both are fine (and when
+    Hydra itself cannot compose them: it reports its own errors)."""
     from hydra import compose, initialize_config_dir
 
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    from train.core.data import source_key_problem
+
+    args = [a for a in argv if not a.startswith("-")]
+
     def is_choice(a: str) -> bool:  # a group selection: `model=x`, `data@data.prompts=y`
         key = a.split("=", 1)[0]
         return "=" in a and ("." not in key or "@" in key) and not a.startswith(("+", "~"))
 
-    choices = [a for a in args if is_choice(a)]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=choices)
+            cfg = compose(config_name=config_name, overrides=[a for a in args if is_choice(a)])
+            problem = unknown_override(cfg, args)
+            if problem or "data" not in cfg:
+                return problem
+            full = compose(config_name=config_name, overrides=args)
     except Exception:
-        return  # let Hydra report its own composition errors (unknown group options etc.)
-    problem = unknown_override(cfg, args)
+        return None  # let Hydra report its own composition errors (unknown group options etc.)
+    return source_key_problem(full.data)
+
+
+def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:
+    """Compose the config like Hydra would and stop on a bad override before any work starts."""
+    problem = config_problem(config_name, sys.argv[1:] if argv is None else argv)
     if problem:
         print(f"draftsmith: error: {problem}", file=sys.stderr)
         sys.exit(2)

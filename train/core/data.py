@@ -208,8 +208,8 @@ def local_items(data_cfg) -> list[dict]:
         hint = ""
         if _get(data_cfg, "name") == "selfdistill":
             hint = "; generate it first: python scripts/generate_selfdistill.py (same model=...)"
-        elif _get(data_cfg, "hf_name"):
-            hint = f"; download it, or load data.hf_name={_get(data_cfg, 'hf_name')!r} with data.source=hf"
+        else:
+            hint = "; for a hub dataset use data.source=hf data.path=null data.hf_name=<org/name>"
         raise DataError(f"data.path={str(path)!r} does not exist{hint}")
     suffixes = [s for s in path.suffixes if s != ".gz"]
     readers = {".jsonl": read_jsonl, ".json": read_json}
@@ -314,8 +314,51 @@ SOURCES = {
 }
 
 
+# The keys that say where records come from, and which sources read each of them. A key set
+# for a source that does not read it is refused, never ignored (data=mtbench data.path=x.jsonl
+# would otherwise evaluate MT-bench).
+SOURCE_KEYS = {
+    "path": ("local",),
+    "hf_name": ("hf",),
+    "hf_split": ("local", "hf"),  # local: the split of a save_to_disk DatasetDict folder
+    "format": ("local", "hf"),  # record schemas; the built-in sources have their own
+}
+SOURCE_KEY_DEFAULTS = {"format": "auto"}
+SOURCE_FIXES = {
+    "path": "to read your own file use {where}.source=local (data=chat-jsonl), or set {where}.path=null",
+    "hf_name": "to load from the hub set {where}.source=hf and {where}.path=null, or set {where}.hf_name=null",
+    "hf_split": "set {where}.hf_split=null",
+    "format": "set {where}.format=auto (the source has its own schema)",
+}
+
+
+def source_key_problem(data_cfg, where: str = "data") -> str | None:
+    """One line naming a source key that `data.source` would ignore, and the fix; None if all
+    set keys are read. Checks a nested prompt source (`data.prompts`) too."""
+    source = _get(data_cfg, "source")
+    choose(SOURCES, source, f"{where}.source")
+    for key, readers in SOURCE_KEYS.items():
+        value = _get(data_cfg, key)
+        if value is None or source in readers or value == SOURCE_KEY_DEFAULTS.get(key):
+            continue
+        return (f"{where}.{key}={value!r} is ignored by {where}.source={source!r} (read only by "
+                f"source {' / '.join(readers)}); {SOURCE_FIXES[key].format(where=where)}")
+    prompts = _get(data_cfg, "prompts")
+    if prompts is not None and _get(prompts, "source") is not None:
+        return source_key_problem(prompts, f"{where}.prompts")
+    return None
+
+
+def check_source_keys(data_cfg) -> None:
+    """Raise the one-line DataError of `source_key_problem`, if any."""
+    problem = source_key_problem(data_cfg)
+    if problem:
+        raise DataError(problem)
+
+
 def load_items(data_cfg) -> list[dict]:
     """[{"id", "category", "messages", ...}] from `data.source`, in the source's own order."""
+    check_source_keys(data_cfg)
     items = choose(SOURCES, _get(data_cfg, "source"), "data.source")(data_cfg)
     if not items:
         raise DataError(f"data={_get(data_cfg, 'name')!r} (source {_get(data_cfg, 'source')!r}) has no records")

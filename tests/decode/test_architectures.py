@@ -1,0 +1,117 @@
+"""Every preset's architecture decodes greedy-identically to HF generate, or is refused.
+
+For each family a preset promises, a tiny fp64 model is built from that family's own config
+class with the real checkpoint's shape-independent settings (rope type and scaling, rope
+theta, biases, sliding-window fields, tied or untied embeddings), copied from the checkpoint's
+config.json named beside it. Each decodes through the engine with a chain (a draft model that
+is the verifier with noise on its lm_head: long accepted runs) and a tree (the same draft
+drafting top-2 at the first two depths, so non-first siblings are accepted and the tree mask
+and depth positions meet the family's rotary code), token for token equal to the family's
+own `generate`. A setting the engine cannot decode exactly is refused before any work, in one
+line naming it.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from decode.engine import generate
+from decode.proposers import make_proposer
+from models.errors import DraftsmithError
+
+TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# preset -> (config class, the checkpoint's shape-independent settings, where they come from)
+FAMILIES = {
+    "llama2-7b": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                                    attention_bias=False, tie_word_embeddings=False),
+                  "meta-llama/Llama-2-7b-chat-hf config.json"),
+    "vicuna-7b-v1.3": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                                         tie_word_embeddings=False), "lmsys/vicuna-7b-v1.3 config.json"),
+    "llama3.1-8b-instruct": (LlamaConfig, dict(
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+        "meta-llama/Llama-3.1-8B-Instruct config.json"),
+    "qwen2.5-7b-instruct": (Qwen2Config, dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                              use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+                                              tie_word_embeddings=False),
+                            "Qwen/Qwen2.5-7B-Instruct config.json (q/k/v projections with bias)"),
+    "mistral-7b-instruct": (MistralConfig, dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                                                sliding_window=None, tie_word_embeddings=False),
+                            "mistralai/Mistral-7B-Instruct-v0.3 config.json"),
+    "smollm2-135m": (LlamaConfig, dict(rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                                       tie_word_embeddings=True), "HuggingFaceTB/SmolLM2-135M-Instruct config.json"),
+}
+
+
+def tiny_family(preset: str, seed: int = 0, **extra):
+    config_cls, settings, _ = FAMILIES[preset]
+    config = config_cls(**TINY, **{**settings, **extra})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    model.lm_head.weight.data *= 8 if not config.tie_word_embeddings else 1  # a peaked law: long greedy runs agree
+    return model.requires_grad_(False)
+
+
+def noisy_draft(model, noise: float = 0.02):
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        head = draft.lm_head.weight if not draft.config.tie_word_embeddings else draft.get_input_embeddings().weight
+        head.add_(noise * head.abs().mean() * torch.randn(head.shape, generator=g, dtype=head.dtype))
+    return draft
+
+
+def test_the_presets_are_all_covered():
+    from pathlib import Path
+
+    presets = {p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob("*.yaml")}
+    assert presets - {"vicuna-13b-v1.3"} == set(FAMILIES)  # 13B: the same family and settings as 7B
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_family_decodes_like_its_own_generate(preset, shape):
+    model = tiny_family(preset)
+    if preset == "qwen2.5-7b-instruct":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    if preset == "llama3.1-8b-instruct":
+        assert model.config.rope_parameters["rope_type"] == "llama3"
+    draft = noisy_draft(model)
+    kwargs = dict(num_tokens=4) if shape == "chain" else dict(num_tokens=3, tree_topk=[2, 2])
+    accepted, non_first = 0, 0
+    for seed in range(3):
+        ids = torch.randint(0, 160, (1, 7), generator=torch.Generator().manual_seed(seed))
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40)[0, 7:]
+        proposer = make_proposer("draft", model=draft, vocab_size=160, **kwargs)
+        out = generate(model, ids, proposer=proposer, max_new_tokens=40, eos_token_id=())
+        assert out.tokens == ref.tolist(), (preset, shape, seed)
+        accepted += sum(s.accepted for s in out.steps)
+    assert accepted >= 20, (preset, accepted)  # drafts really were accepted through this family's code
+
+
+@pytest.mark.parametrize("preset, setting, match", [
+    ("mistral-7b-instruct", dict(sliding_window=8), "sliding_window"),
+    ("qwen2.5-7b-instruct", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), "sliding_window"),
+])
+def test_an_active_sliding_window_is_refused_before_any_work(preset, setting, match, monkeypatch):
+    model = tiny_family(preset, **setting)
+    calls = []
+    monkeypatch.setattr(model.model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(DraftsmithError, match=match) as err:
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    assert "\n" not in str(err.value) and not calls
+
+
+def test_post_processed_logits_are_refused():
+    model = tiny_family("llama2-7b")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(DraftsmithError, match="final_logit_softcapping=30.0"):
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)

@@ -1,0 +1,156 @@
+"""Every documented command works as typed: each command in README.md (code blocks and inline
+code) and in the first line of every YAML under conf/ goes through the entry script's own
+override check (misspelt keys, data keys the source would ignore) and Hydra's composition with
+all its overrides, without running the job. Shell scripts (`bash scripts/X.sh ...`) are run
+with `python` replaced by a recorder, so every Python command they would run is checked with
+the arguments the real shell gives it."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.hub import compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = re.compile(r'^\s*launch\("([\w-]+)", run\)', re.M)
+LAUNCHERS = {"python", "accelerate", "torchrun", "bash"}
+NOT_JOBS = ("-m", "-c")  # python -m pytest / -c ...: not an entry script
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        commands += [c for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.lstrip().startswith("#")]
+    # inline code that runs something (a bare mention like `accelerate launch` names no script)
+    commands += [c for c in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text) if re.search(r"\.(py|sh)\b", c)]
+    return [c for c in commands if first_word(c) in LAUNCHERS]
+
+
+def yaml_commands() -> list[tuple[str, str]]:
+    out = []
+    for path in sorted((ROOT / "conf").rglob("*.yaml")):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# "), f"{path} does not start with the command that uses it"
+        out.append((str(path.relative_to(ROOT)), re.split(r"\s{2,}", first[2:].strip())[0]))
+    return out
+
+
+def strip(command: str) -> list[str]:
+    """The words of a shell command, without a trailing comment and leading VAR=value."""
+    words = shlex.split(command, comments=True)
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        words.pop(0)
+    return words
+
+
+def first_word(command: str) -> str | None:
+    try:
+        words = strip(command)
+    except ValueError:
+        return None
+    return words[0] if words else None
+
+
+def env_of(command: str) -> dict:
+    words = shlex.split(command, comments=True)
+    env = {}
+    for w in words:
+        if not re.match(r"^[A-Z_][A-Z0-9_]*=", w):
+            break
+        key, value = w.split("=", 1)
+        env[key] = value
+    return env
+
+
+def python_invocations(command: str) -> list[list[str]]:
+    """Each entry-script invocation [script, *overrides] that the command runs."""
+    out = []
+    for part in re.split(r"&&|;", command):
+        words = strip(part)
+        if not words:
+            continue
+        if words[0] == "python":
+            if words[1] in NOT_JOBS:
+                continue
+            out.append(words[1:])
+        elif words[0] in ("accelerate", "torchrun"):
+            script = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            config = [words[i + 1] for i, w in enumerate(words) if w == "--config_file"]
+            for c in config:
+                assert (ROOT / c).is_file(), f"{c} does not exist ({part})"
+            out.append(words[script:])
+        elif words[0] == "bash":
+            if words[1] == "scripts/install.sh":
+                continue  # CI runs it as the README says
+            out += recorded_python_calls(words[1], words[2:], env_of(part))
+    return out
+
+
+def recorded_python_calls(script: str, args: list[str], env: dict) -> list[list[str]]:
+    """Run a shell script with `python` recording its arguments instead of running."""
+    assert (ROOT / script).is_file(), script
+    recorder = 'python() { printf "%s\\037" "$@" >> "$DRAFTSMITH_RECORD"; printf "\\036" >> "$DRAFTSMITH_RECORD"; }'
+    record = ROOT / ".pytest_cache" / f"record-{os.getpid()}"
+    record.parent.mkdir(exist_ok=True)
+    record.write_text("")
+    full_env = {**os.environ, **env, "DRAFTSMITH_RECORD": str(record)}
+    proc = subprocess.run(["bash", "-c", f"{recorder}; export -f python; bash {shlex.quote(script)} "
+                           + " ".join(shlex.quote(a) for a in args)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = [c.split("\x1f")[:-1] for c in record.read_text().split("\x1e") if c]
+    record.unlink()
+    assert calls, f"{script} runs no python command"
+    return calls
+
+
+def entry_config(script: str) -> str:
+    path = ROOT / script
+    assert path.is_file(), f"{script} does not exist"
+    match = ENTRY.search(path.read_text())
+    assert match, f"{script} is not a Hydra entry script (no launch(...))"
+    return match.group(1)
+
+
+def check(invocation: list[str], where: str) -> None:
+    from train.core.cli import config_problem
+
+    script, args = invocation[0], invocation[1:]
+    for a in args:
+        assert "<" not in a and a != "..." and not a.endswith("..."), f"placeholder {a!r} in {where}"
+    name = entry_config(script)
+    problem = config_problem(name, args)
+    assert problem is None, f"{where}: {problem}"
+    compose_config(name, [a for a in args if not a.startswith("-")])  # Hydra accepts every override
+
+
+COMMANDS = [("README.md", c) for c in readme_commands()] + yaml_commands()
+
+
+@pytest.mark.parametrize("where, command", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
+def test_documented_command_composes(where, command):
+    invocations = python_invocations(command)
+    for invocation in invocations:
+        check(invocation, f"{where}: {command}")
+
+
+def test_the_commands_were_found():
+    commands = [c for _, c in COMMANDS]
+    assert any("scripts/quickstart.sh" in c for c in commands)
+    assert any("data=chat-jsonl data.path=" in c for c in commands)
+    assert sum(1 for w, _ in COMMANDS if w != "README.md") == len(list((ROOT / "conf").rglob("*.yaml")))
+
+
+def test_the_check_refuses_what_the_scripts_would_refuse():
+    """The same check is what the entry scripts run first: it has teeth."""
+    from train.core.cli import config_problem
+
+    assert "num_hedas" in config_problem("medusa", ["method.num_hedas=4"])
+    assert "ignored by data.source='mtbench'" in config_problem("evaluate", ["data=mtbench", "data.path=x.jsonl"])
+    assert config_problem("medusa", ["data=chat-jsonl", "data.path=my_chats.jsonl"]) is None
