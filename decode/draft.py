@@ -38,12 +38,12 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from decode.cache import check_compactable, compact_cache
-from decode.proposers import DraftTree, Proposer, SamplingParams
-from decode import sampling
-from decode.sampling import logits_to_probs
-from decode.tree import ancestor_mask
-from models.errors import DraftsmithError, choose
+from draftsmith.decode.cache import check_compactable, compact_cache
+from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams
+from draftsmith.decode import sampling
+from draftsmith.decode.sampling import logits_to_probs
+from draftsmith.decode.tree import ancestor_mask
+from draftsmith.models.errors import DraftsmithError, choose
 
 LENGTH_SCHEDULES = {"fixed": "fixed", "heuristic": "heuristic"}
 TREE_MASK_ATTENTION = ("eager", "sdpa")

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from decode.proposers import DraftTree, Proposer, SamplingParams, _is_chain
-from decode.tree import TreeBuffers
+from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams, _is_chain
+from draftsmith.decode.tree import TreeBuffers
 
 
 class EagleProposer(Proposer):

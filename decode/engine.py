@@ -31,10 +31,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from decode import sampling
-from decode.cache import check_compactable, compact_cache
-from decode.proposers import DraftTree, Proposer, SamplingParams, VanillaProposer
-from models.errors import DraftsmithError
+from draftsmith.decode import sampling
+from draftsmith.decode.cache import check_compactable, compact_cache
+from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams, VanillaProposer
+from draftsmith.models.errors import DraftsmithError
 
 ACCEPTANCE_KEYS = ("auto", "greedy", "rejection", "typical")
 # Attention implementations known to add a 4D float mask to the scores as given.

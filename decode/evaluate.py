@@ -21,14 +21,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from decode.engine import generate, summarize
-from decode.proposers import PROPOSERS, make_proposer
-from models.checkpoint import load_drafter
-from models.draft import load_draft_model
-from models.errors import DraftsmithError, choose
-from models.verifier import load_verifier
-from train.core.cli import launch
-from train.core.data import load_prompts
+from draftsmith.decode.engine import generate, summarize
+from draftsmith.decode.proposers import PROPOSERS, make_proposer
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.draft import load_draft_model
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import load_verifier
+from draftsmith.models.entry import launch
+from draftsmith.models.sources import load_prompts
 
 
 def build_proposer(cfg, verifier):

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from decode.proposers import DraftTree, Proposer, SamplingParams
-from models.errors import DraftsmithError
+from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams
+from draftsmith.models.errors import DraftsmithError
 
 
 def build_trie(

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decode.tree import TreeBuffers, verify_inputs
+from draftsmith.decode.tree import TreeBuffers, verify_inputs
 
 
 @dataclass(frozen=True)
@@ -193,12 +193,12 @@ class MedusaProposer(Proposer):
 # name -> "module:Class". Proposers in other modules are imported when first built (they
 # import this module for the base class, so importing them here would be circular).
 PROPOSERS: dict[str, str] = {
-    "vanilla": "decode.proposers:VanillaProposer",
-    "medusa": "decode.proposers:MedusaProposer",
-    "eagle": "decode.eagle:EagleProposer",
-    "draft": "decode.draft:DraftModelProposer",
-    "prompt_lookup": "decode.lookup:PromptLookupProposer",
-    "lookahead": "decode.lookup:LookaheadProposer",
+    "vanilla": "draftsmith.decode.proposers:VanillaProposer",
+    "medusa": "draftsmith.decode.proposers:MedusaProposer",
+    "eagle": "draftsmith.decode.eagle:EagleProposer",
+    "draft": "draftsmith.decode.draft:DraftModelProposer",
+    "prompt_lookup": "draftsmith.decode.lookup:PromptLookupProposer",
+    "lookahead": "draftsmith.decode.lookup:LookaheadProposer",
 }
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from decode.tree import ancestor_mask, path_to
+from draftsmith.decode.tree import ancestor_mask, path_to
 
 
 def logits_to_probs(

@@ -18,9 +18,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.errors import DraftsmithError, choose
-from models.eagle import EagleConfig, EagleDrafter
-from models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
 # kind -> (config dataclass, module class); a module is built as cls(config).
 DRAFTER_KINDS = {

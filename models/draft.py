@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
-from models.errors import DraftsmithError, choose
-from models.verifier import gathered
+from draftsmith.models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import gathered
 
 def causal_lm(config, dtype: torch.dtype) -> PreTrainedModel:
     """A randomly initialised causal LM of config's family, built directly rather than with

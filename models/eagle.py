@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, MODEL_MAPPING
 
-from models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError, choose
 
 VARIANTS = ("eagle1", "eagle3")
 LM_HEAD_MODES = ("shared", "own", "gathered")  # shared: the verifier's full lm_head

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError, choose
 
 LM_HEAD_MODES = ("own", "shared")
 

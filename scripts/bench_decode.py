@@ -25,9 +25,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import DynamicCache
 
-from decode import evaluate
-from models.verifier import load_verifier
-from train.core.cli import launch
+from draftsmith.decode import evaluate
+from draftsmith.models.verifier import load_verifier
+from draftsmith.models.entry import launch
 
 
 @torch.inference_mode()

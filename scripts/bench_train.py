@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 from omegaconf import DictConfig
 
-from models.errors import choose
-from train.core.cli import launch
+from draftsmith.models.errors import choose
+from draftsmith.models.entry import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

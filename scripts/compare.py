@@ -19,8 +19,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from decode.evaluate import run as evaluate
-from train.core.cli import CONF_DIR, launch
+from draftsmith.decode.evaluate import run as evaluate
+from draftsmith.models.entry import CONF_DIR, launch
 
 
 def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool):

@@ -22,12 +22,13 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from models.errors import DraftsmithError, choose
-from models.verifier import DTYPES, load_verifier, resolve_layers
-from train.core.accel import process_state
-from train.core.cli import launch
-from train.core.data import collate_batch, load_conversations, split_heldout, tokenize_conversations
-from train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import DTYPES, load_verifier, resolve_layers
+from draftsmith.train.core.accel import process_state
+from draftsmith.models.entry import launch
+from draftsmith.models.sources import load_conversations
+from draftsmith.train.core.data import collate_batch, split_heldout, tokenize_conversations
+from draftsmith.train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
 
 
 @torch.inference_mode()

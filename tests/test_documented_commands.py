@@ -119,7 +119,7 @@ def entry_config(script: str) -> str:
 
 
 def check(invocation: list[str], where: str) -> None:
-    from train.core.cli import config_problem
+    from draftsmith.models.entry import config_problem
 
     script, args = invocation[0], invocation[1:]
     for a in args:
@@ -149,7 +149,7 @@ def test_the_commands_were_found():
 
 def test_the_check_refuses_what_the_scripts_would_refuse():
     """The same check is what the entry scripts run first: it has teeth."""
-    from train.core.cli import config_problem
+    from draftsmith.models.entry import config_problem
 
     assert "num_hedas" in config_problem("medusa", ["method.num_hedas=4"])
     assert "ignored by data.source='mtbench'" in config_problem("evaluate", ["data=mtbench", "data.path=x.jsonl"])

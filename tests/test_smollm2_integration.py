@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from decode.engine import generate
-from decode.evaluate import compare_greedy, prompt_ids
-from decode.proposers import make_proposer
-from models.checkpoint import load_drafter
-from models.verifier import load_verifier
+from draftsmith.decode.engine import generate
+from draftsmith.decode.evaluate import compare_greedy, prompt_ids
+from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.verifier import load_verifier
 from tests.hub import compose_config
-from train.medusa import run
+from draftsmith.train.medusa import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def verifier(cache_dir):
 
 
 def test_chat_template_and_assistant_labels(verifier):
-    from train.core.data import tokenize_conversation
+    from draftsmith.train.core.data import tokenize_conversation
 
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
     ids, labels = tokenize_conversation(messages, verifier.tokenizer)

@@ -24,17 +24,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from models.draft import build_student, save_draft_model
-from models.errors import DraftsmithError
-from models.verifier import load_verifier
-from train.core.accel import make_accelerator, make_optimizer, make_scheduler, place_frozen
-from train.core.checkpoint import claim_output_dir
-from train.core.cli import launch
-from train.core.data import IGNORE_INDEX, check_data_verifier, collate_batch
-from train.core.features import read_manifest
-from train.core.logging import init_trackers, trackers
-from train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
-from train.core.losses import acceptance_rate, chain_tau, divergence
+from draftsmith.models.draft import build_student, save_draft_model
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import load_verifier
+from draftsmith.train.core.accel import make_accelerator, make_optimizer, make_scheduler, place_frozen
+from draftsmith.train.core.checkpoint import claim_output_dir
+from draftsmith.models.entry import launch
+from draftsmith.train.core.data import IGNORE_INDEX, check_data_verifier, collate_batch
+from draftsmith.train.core.features import read_manifest
+from draftsmith.train.core.logging import init_trackers, trackers
+from draftsmith.train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
+from draftsmith.train.core.losses import acceptance_rate, chain_tau, divergence
 
 
 def next_token_positions(labels: torch.Tensor) -> torch.Tensor:

@@ -31,19 +31,19 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from models.eagle import EagleConfig, EagleDrafter
-from models.errors import DraftsmithError
-from models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
-from models.vocab import draft_vocab, label_counts
-from train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
-from train.core.checkpoint import claim_output_dir
-from train.core.cli import launch
-from train.core.data import IGNORE_INDEX, check_data_verifier
-from train.core.features import offline_verifier, read_manifest
-from train.core.logging import init_trackers, trackers
-from train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
+from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
+from draftsmith.models.vocab import draft_vocab, label_counts
+from draftsmith.train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
+from draftsmith.train.core.checkpoint import claim_output_dir
+from draftsmith.models.entry import launch
+from draftsmith.train.core.data import IGNORE_INDEX, check_data_verifier
+from draftsmith.train.core.features import offline_verifier, read_manifest
+from draftsmith.train.core.logging import init_trackers, trackers
+from draftsmith.train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
                              save_drafter_dir)
-from train.medusa import global_counts, simulated_tau
+from draftsmith.train.medusa import global_counts, simulated_tau
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:

@@ -18,16 +18,16 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from models.medusa import MedusaConfig, MedusaHeads
-from models.vocab import draft_vocab, label_counts, target_to_draft
-from models.verifier import load_verifier
-from train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
-from train.core.checkpoint import claim_output_dir
-from train.core.cli import launch
-from train.core.data import check_data_verifier
-from train.core.features import offline_verifier, read_manifest
-from train.core.logging import init_trackers, trackers
-from train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.vocab import draft_vocab, label_counts, target_to_draft
+from draftsmith.models.verifier import load_verifier
+from draftsmith.train.core.accel import make_accelerator, make_optimizer, make_scheduler, full_copy, place_frozen, zero_stage
+from draftsmith.train.core.checkpoint import claim_output_dir
+from draftsmith.models.entry import launch
+from draftsmith.train.core.data import check_data_verifier
+from draftsmith.train.core.features import offline_verifier, read_manifest
+from draftsmith.train.core.logging import init_trackers, trackers
+from draftsmith.train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
                              save_drafter_dir)
 
 

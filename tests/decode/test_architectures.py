@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from decode.engine import generate
-from decode.proposers import make_proposer
-from models.errors import DraftsmithError
+from draftsmith.decode.engine import generate
+from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.errors import DraftsmithError
 
 TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, StaticCache
 
-from decode.cache import cache_length, check_compactable, compact_cache
-from decode.tree import verify_inputs
+from draftsmith.decode.cache import cache_length, check_compactable, compact_cache
+from draftsmith.decode.tree import verify_inputs
 from tests.tiny import tiny_llama
 
 # root 0; 1,2 children of 0; 3,4 children of 1; 5 child of 2; 6 child of 3; 7 child of 5

@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decode import sampling
-from decode.draft import DraftModelProposer, level_mask, sample_without_replacement
-from decode.engine import generate
-from decode.sampling import logits_to_probs
-from models.errors import DraftsmithError
+from draftsmith.decode import sampling
+from draftsmith.decode.draft import DraftModelProposer, level_mask, sample_without_replacement
+from draftsmith.decode.engine import generate
+from draftsmith.decode.sampling import logits_to_probs
+from draftsmith.models.errors import DraftsmithError
 from tests.decode.test_engine import (
     LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference,
 )
@@ -172,7 +172,7 @@ def test_reported_q_is_the_drafts_own_law(models):
 
 
 def sampling_params(temperature, top_k=0, top_p=1.0):
-    from decode.proposers import SamplingParams
+    from draftsmith.decode.proposers import SamplingParams
 
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 

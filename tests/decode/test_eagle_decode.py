@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode import sampling
-from decode.engine import generate
-from decode.proposers import make_proposer
-from models.eagle import EagleConfig, EagleDrafter
-from models.vocab import draft_vocab
+from draftsmith.decode import sampling
+from draftsmith.decode.engine import generate
+from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.vocab import draft_vocab
 from tests.decode.test_engine import (LAW_PROMPT, V, RecordingRule, exact_law, law_model, law_test,
                                       residual_from_p_walk, tree_paths)
 from tests.tiny import tiny_llama
-from train.eagle import eagle_loss
+from draftsmith.train.eagle import eagle_loss
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]

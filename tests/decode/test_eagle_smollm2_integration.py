@@ -5,13 +5,13 @@ chain, a static tree and an EAGLE-2 dynamic tree, token for token against the ve
 import pytest
 import torch
 
-from decode.engine import generate
-from decode.evaluate import compare_greedy, prompt_ids
-from decode.proposers import make_proposer
-from models.checkpoint import load_drafter
-from models.verifier import load_verifier
+from draftsmith.decode.engine import generate
+from draftsmith.decode.evaluate import compare_greedy, prompt_ids
+from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.verifier import load_verifier
 from tests.hub import compose_config
-from train.eagle import run
+from draftsmith.train.eagle import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

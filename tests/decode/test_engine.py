@@ -16,10 +16,10 @@ import torch.nn.functional as F
 import yaml
 from scipy.stats import chisquare
 
-from decode import sampling
-from decode.engine import generate, summarize
-from decode.proposers import PROPOSERS, make_proposer
-from models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.decode import sampling
+from draftsmith.decode.engine import generate, summarize
+from draftsmith.decode.proposers import PROPOSERS, make_proposer
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from tests.tiny import tiny_llama
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "decode"

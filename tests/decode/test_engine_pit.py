@@ -24,9 +24,9 @@ import pytest
 import torch
 from scipy.stats import kstest
 
-from decode import sampling
-from decode.engine import generate
-from decode.proposers import make_proposer
+from draftsmith.decode import sampling
+from draftsmith.decode.engine import generate
+from draftsmith.decode.proposers import make_proposer
 from tests.decode.test_draft_proposer import noisy_copy
 from tests.decode.test_eagle_decode import fitted_drafter
 from tests.decode.test_engine import RecordingRule, fitted_heads

@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from decode.evaluate import run
-from models.checkpoint import save_drafter
-from models.errors import DraftsmithError
-from models.medusa import MedusaConfig, MedusaHeads
-from models.verifier import fingerprint
+from draftsmith.decode.evaluate import run
+from draftsmith.models.checkpoint import save_drafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.verifier import fingerprint
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama
@@ -104,7 +104,7 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
     draft is also HF's assistant, for the assisted-generation comparison."""
     from omegaconf import OmegaConf
 
-    from models.draft import build_student, save_draft_model
+    from draftsmith.models.draft import build_student, save_draft_model
     from tests.tiny import tiny_tokenizer
 
     extra = [f"method={method}", f"decode={decode}", "drafter=null"]

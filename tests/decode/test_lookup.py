@@ -11,11 +11,11 @@
 import pytest
 import torch
 
-from decode import sampling
-from decode.engine import generate
-from decode.lookup import LookaheadProposer, PromptLookupProposer, build_trie, ngram_continuations
-from decode.tree import path_to
-from models.errors import DraftsmithError
+from draftsmith.decode import sampling
+from draftsmith.decode.engine import generate
+from draftsmith.decode.lookup import LookaheadProposer, PromptLookupProposer, build_trie, ngram_continuations
+from draftsmith.decode.tree import path_to
+from draftsmith.models.errors import DraftsmithError
 from tests.decode.test_draft_proposer import tv_bound
 from tests.decode.test_engine import (
     RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference,

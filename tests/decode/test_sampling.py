@@ -14,8 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode import sampling
-from decode.sampling import (
+from draftsmith.decode import sampling
+from draftsmith.decode.sampling import (
     ACCEPTANCE_RULES,
     LOSSY_RULES,
     get_rule,
@@ -24,7 +24,7 @@ from decode.sampling import (
     rejection_walk,
     typical_walk,
 )
-from decode.tree import paths_to_parents
+from draftsmith.decode.tree import paths_to_parents
 
 F64 = torch.float64
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from decode import sampling
-from decode.sampling import logits_to_probs, rejection_walk
+from draftsmith.decode import sampling
+from draftsmith.decode.sampling import logits_to_probs, rejection_walk
 
 F64 = torch.float64
 VOCAB = 49_152  # SmolLM2's

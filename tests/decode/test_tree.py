@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from tests.tiny import tiny_llama
-from decode.tree import (
+from draftsmith.decode.tree import (
     TreeBuffers,
     ancestor_mask,
     chain_parents,

@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from models.checkpoint import load_drafter, save_drafter
-from models.errors import DraftsmithError
-from models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.checkpoint import load_drafter, save_drafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
 
 def _save(tmp_path, fp="abc"):

@@ -3,8 +3,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.draft import build_student, load_draft_model, save_draft_model
-from models.errors import DraftsmithError
+from draftsmith.models.draft import build_student, load_draft_model, save_draft_model
+from draftsmith.models.errors import DraftsmithError
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from models.checkpoint import load_drafter, save_drafter
-from models.eagle import EagleConfig, EagleDrafter
-from models.vocab import draft_vocab
-from models.errors import DraftsmithError
+from draftsmith.models.checkpoint import load_drafter, save_drafter
+from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.vocab import draft_vocab
+from draftsmith.models.errors import DraftsmithError
 from tests.tiny import tiny_llama
-from train.eagle import eagle_loss, unroll, unroll_mask
+from draftsmith.train.eagle import eagle_loss, unroll, unroll_mask
 
 H, V = 32, 128
 

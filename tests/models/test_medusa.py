@@ -1,10 +1,10 @@
 import torch
 import torch.nn.functional as F
 
-from models.medusa import MedusaConfig, MedusaHeads
-from models.vocab import draft_vocab
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.vocab import draft_vocab
 from tests.tiny import tiny_llama
-from train.medusa import head_targets, medusa_loss, simulated_tau
+from draftsmith.train.medusa import head_targets, medusa_loss, simulated_tau
 
 
 def _heads(model, mode="own", k=3):
@@ -131,7 +131,7 @@ def test_reduced_draft_vocabulary():
 
 
 def test_medusa_loss_with_a_draft_vocabulary_skips_and_counts_missing_targets():
-    from models.vocab import target_to_draft
+    from draftsmith.models.vocab import target_to_draft
 
     torch.manual_seed(0)
     model = tiny_llama()
@@ -150,8 +150,8 @@ def test_medusa_loss_with_a_draft_vocabulary_skips_and_counts_missing_targets():
 
 
 def test_reduced_vocabulary_heads_decode_losslessly():
-    from decode.engine import generate
-    from decode.proposers import make_proposer
+    from draftsmith.decode.engine import generate
+    from draftsmith.decode.proposers import make_proposer
 
     torch.manual_seed(0)
     model = tiny_llama(eos_token_id=None)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.errors import DraftsmithError
-from models.verifier import fingerprint, load_verifier
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import fingerprint, load_verifier
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from models.verifier import Verifier
+from draftsmith.models.verifier import Verifier
 from tests.tiny import tiny_llama
-from train.core.accel import full_copy, shard_fsdp
+from draftsmith.train.core.accel import full_copy, shard_fsdp
 
 
 def main(out_path: str, tied: bool) -> None:

@@ -45,7 +45,7 @@ def test_unknown_keys_are_rejected():
 
 
 def test_misspelt_keys_fail_in_one_line_listing_the_valid_ones(capsys):
-    from train.core.cli import check_cli_overrides
+    from draftsmith.models.entry import check_cli_overrides
 
     with pytest.raises(SystemExit) as info:
         check_cli_overrides("medusa", ["method.num_hedas=4"])

@@ -1,4 +1,4 @@
-"""train/core/data.py: sources, schemas, errors, assistant-only masks, splits, batching."""
+"""models/sources.py and train/core/data.py: sources, schemas, errors, assistant-only masks, splits, batching."""
 from __future__ import annotations
 
 import json
@@ -10,14 +10,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from train.core.data import (
-    IGNORE_INDEX,
-    SOURCES,
-    DataError,
+from draftsmith.models.sources import SOURCES, DataError, load_conversations, load_prompts
+from draftsmith.models.vocab import IGNORE_INDEX
+from draftsmith.train.core.data import (
     LengthBucketBatchSampler,
     check_data_verifier,
-    load_conversations,
-    load_prompts,
     make_dataloader,
     padding_fraction,
     split_heldout,

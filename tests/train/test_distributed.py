@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.checkpoint import load_drafter
+from draftsmith.models.checkpoint import load_drafter
 from tests.conftest import tiny_model_overrides
 from tests.tiny import tiny_llama, tiny_tokenizer
 
@@ -61,7 +61,7 @@ def tied_model_dir(tmp_path_factory):
 def verifier_fingerprint(tied_model_dir):
     from omegaconf import OmegaConf
 
-    from models.verifier import load_verifier
+    from draftsmith.models.verifier import load_verifier
 
     return load_verifier(OmegaConf.create({"name": "tiny", "source": "hf", "path": str(tied_model_dir)})).fingerprint
 
@@ -79,8 +79,8 @@ def one_process_heads(tied_model_dir, tmp_path_factory):
 def loads_in_the_evaluator(drafter_dir, model_dir) -> str:
     """decode/evaluate.py's own proposer construction (fingerprint check included) -> the
     fingerprint the drafter recorded."""
-    from decode.evaluate import build_proposer
-    from models.verifier import load_verifier
+    from draftsmith.decode.evaluate import build_proposer
+    from draftsmith.models.verifier import load_verifier
     from tests.hub import compose_config
 
     cfg = compose_config("evaluate", [*tiny_model_overrides(model_dir), "method=medusa", f"drafter={drafter_dir}",
@@ -186,8 +186,8 @@ def test_deepspeed_batch_fields_come_from_the_trainer_config():
 
     from omegaconf import OmegaConf
 
-    from models.errors import DraftsmithError
-    from train.core.accel import fill_deepspeed_config
+    from draftsmith.models.errors import DraftsmithError
+    from draftsmith.train.core.accel import fill_deepspeed_config
 
     def acc(ds):
         return SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(

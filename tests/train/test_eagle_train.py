@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.evaluate import run as evaluate
-from models.checkpoint import load_drafter
-from models.errors import DraftsmithError
+from draftsmith.decode.evaluate import run as evaluate
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from train.eagle import run
+from draftsmith.train.eagle import run
 
 
 def _cfg(tiny_model_dir, out, method, *extra):
@@ -108,10 +108,10 @@ def features(tiny_model_dir, tmp_path):
 def test_online_and_offline_give_the_same_loss(features, tiny_model_dir):
     from omegaconf import OmegaConf
 
-    from models.eagle import EagleConfig, EagleDrafter
-    from models.verifier import load_verifier
-    from train.core.features import FeatureDataset, collate_features
-    from train.eagle import eagle_loss, verifier_inputs
+    from draftsmith.models.eagle import EagleConfig, EagleDrafter
+    from draftsmith.models.verifier import load_verifier
+    from draftsmith.train.core.features import FeatureDataset, collate_features
+    from draftsmith.train.eagle import eagle_loss, verifier_inputs
 
     verifier = load_verifier(OmegaConf.create(compose_config("eagle", tiny_model_overrides(tiny_model_dir)).model))
     ds = FeatureDataset(features, "train")
@@ -149,7 +149,7 @@ def test_training_from_features_with_topk_logits(tiny_model_dir, tmp_path):
 def test_soft_targets_from_topk_logits_match_the_full_law_on_those_tokens():
     from types import SimpleNamespace
 
-    from train.eagle import soft_targets
+    from draftsmith.train.eagle import soft_targets
 
     torch.manual_seed(0)
     lm_head = torch.nn.Linear(8, 20, bias=False)

@@ -5,15 +5,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.checkpoint import load_drafter
-from models.errors import DraftsmithError
-from models.medusa import MedusaConfig, MedusaHeads
-from models.verifier import load_verifier
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.verifier import load_verifier
 from scripts.prepare_features import run as prepare
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from train.core.features import FeatureDataset, collate_features, read_manifest
-from train.medusa import medusa_loss, run as train
+from draftsmith.train.core.features import FeatureDataset, collate_features, read_manifest
+from draftsmith.train.medusa import medusa_loss, run as train
 
 
 @pytest.fixture()

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from models.errors import DraftsmithError
-from train.core.losses import acceptance_rate, chain_tau, divergence
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.train.core.losses import acceptance_rate, chain_tau, divergence
 
 P = [0.5, 0.3, 0.2]  # teacher
 Q = [0.2, 0.2, 0.6]  # student

@@ -2,11 +2,11 @@ import csv
 
 import pytest
 
-from models.checkpoint import load_drafter
-from models.errors import DraftsmithError
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from train.medusa import run
+from draftsmith.train.medusa import run
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -55,8 +55,9 @@ def test_shared_lm_head_mode_trains(tiny_model_dir, tmp_path):
 def test_draft_vocabulary_is_the_most_frequent_training_targets(tiny_model_dir, tmp_path):
     import torch
 
-    from train.core.data import load_conversations, split_heldout, tokenize_conversations
-    from models.verifier import load_verifier
+    from draftsmith.models.sources import load_conversations
+    from draftsmith.train.core.data import split_heldout, tokenize_conversations
+    from draftsmith.models.verifier import load_verifier
 
     cfg = _cfg(tiny_model_dir, tmp_path / "run", "method.draft_vocab_size=20", "method.lm_head=shared")
     summary = run(cfg)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError
 from tests.tiny import tiny_llama, tiny_tokenizer
-from train.core.data import DataError, check_data_verifier, load_conversations, tokenize_conversations
+from draftsmith.models.sources import DataError, load_conversations
+from draftsmith.train.core.data import check_data_verifier, tokenize_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = str(ROOT / "conf")

@@ -25,7 +25,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from transformers import get_cosine_schedule_with_warmup, get_constant_schedule_with_warmup
 
-from models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError, choose
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}

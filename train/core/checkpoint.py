@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError
 
 # Keys that may change between a run and its resumption (they do not change the result).
 VOLATILE = ("trainer.max_steps", "trainer.eval_every", "trainer.save_every", "trainer.log_every",

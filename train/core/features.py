@@ -26,9 +26,9 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
-from models.errors import DraftsmithError
-from models.verifier import DTYPES, resolve_path
-from train.core.data import LengthBucketBatchSampler, collate_batch
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import DTYPES, resolve_path
+from draftsmith.train.core.data import LengthBucketBatchSampler, collate_batch
 
 MANIFEST = "manifest.json"
 

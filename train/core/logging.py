@@ -7,7 +7,7 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
-from models.errors import choose
+from draftsmith.models.errors import choose
 
 
 class CSVTracker(GeneralTracker):

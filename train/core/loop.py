@@ -12,10 +12,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from models.checkpoint import save_drafter
-from train.core.checkpoint import latest_checkpoint, load_training_state, save_training_state
-from train.core.data import load_conversations, make_dataloader, split_heldout, tokenize_conversations
-from train.core.features import FeatureDataset, make_feature_dataloader
+from draftsmith.models.checkpoint import save_drafter
+from draftsmith.train.core.checkpoint import latest_checkpoint, load_training_state, save_training_state
+from draftsmith.models.sources import load_conversations
+from draftsmith.train.core.data import make_dataloader, split_heldout, tokenize_conversations
+from draftsmith.train.core.features import FeatureDataset, make_feature_dataloader
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError, choose
 
 
 def teacher_probs(teacher, vocab_size: int, temperature: float) -> torch.Tensor:

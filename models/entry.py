@@ -1,4 +1,6 @@
-"""Entry-point helpers: reject unknown config keys in one line that lists the valid ones."""
+"""Entry-point helpers for every Hydra script (trainers, evaluator, server, scripts/): compose
+the config, refuse a bad override in one line before any work, run `run(cfg)` and turn a
+DraftsmithError into one line and exit status 2. On the floor below train/ and decode/."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
@@ -32,7 +34,7 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
     Hydra itself cannot compose them: it reports its own errors)."""
     from hydra import compose, initialize_config_dir
 
-    from train.core.data import source_key_problem
+    from draftsmith.models.sources import source_key_problem
 
     args = [a for a in argv if not a.startswith("-")]
 
@@ -65,7 +67,7 @@ def launch(config_name: str, run) -> None:
     Hydra compose conf/<config_name>.yaml and call run(cfg); bad input ends in one line."""
     import hydra
 
-    from models.errors import exit_on_user_error
+    from draftsmith.models.errors import exit_on_user_error
 
     check_cli_overrides(config_name)
 
