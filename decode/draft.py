@@ -42,7 +42,7 @@ from draftsmith.decode.cache import check_compactable, compact_cache
 from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams
 from draftsmith.decode import sampling
 from draftsmith.decode.sampling import logits_to_probs
-from draftsmith.decode.tree import ancestor_mask
+from draftsmith.decode.tree import additive_mask, ancestor_mask
 from draftsmith.models.errors import DraftsmithError, choose
 
 LENGTH_SCHEDULES = {"fixed": "fixed", "heuristic": "heuristic"}
@@ -76,9 +76,7 @@ def level_mask(
     allowed = torch.cat(
         [torch.ones(m, committed, dtype=torch.bool, device=device), anc[start:, 1:]], dim=1
     )  # (m, committed + n - 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return additive_mask(allowed, dtype)[None, None]
 
 
 class DraftModelProposer(Proposer):

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams, _is_chain
-from draftsmith.decode.tree import TreeBuffers
+from draftsmith.decode.tree import TreeBuffers, additive_mask
 
 
 class EagleProposer(Proposer):
@@ -139,8 +139,7 @@ class EagleProposer(Proposer):
             if slots:
                 allowed[i, [self.committed + s for s in slots]] = True
             allowed[i, self.committed + n_slots + i] = True
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)  # (m, kv)
+        mask = additive_mask(allowed, self.dtype)  # (m, kv)
         position_ids = (self.committed - 1 + depths.to(self.device))[None]  # (1, m)
         out = self.drafter(self._embed(tokens)[None], feats[None], attention_mask=mask[None, None],
                            position_ids=position_ids, cache=self.cache)

@@ -138,6 +138,14 @@ def retrieve_indices(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return out.to(parents.device)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (..., q, kv) -> float (..., q, kv) in ``dtype``: 0 where a query may attend to a key,
+    ``torch.finfo(dtype).min`` elsewhere (the 4D mask HF attention adds to its scores). The one
+    builder of every tree, level and unrolled-step mask (verifier, draft model, EAGLE drafter)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def _mask_from_ancestors(
     anc: torch.Tensor, cache_len: int, dtype: torch.dtype, kv_length: int | None
 ) -> torch.Tensor:
@@ -153,9 +161,7 @@ def _mask_from_ancestors(
     allowed = torch.zeros(n, kv_length, dtype=torch.bool, device=anc.device)  # (n, kv)
     allowed[:, :cache_len] = True
     allowed[:, cache_len : cache_len + n] = anc
-    mask = torch.zeros(n, kv_length, dtype=dtype, device=anc.device)  # (n, kv)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]  # (1, 1, n, kv)
+    return additive_mask(allowed, dtype)[None, None]  # (1, 1, n, kv)
 
 
 def _positions(

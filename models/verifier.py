@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.models.errors import DraftsmithError, choose
@@ -192,6 +193,29 @@ def resolve_path(model_cfg) -> Path | str:
     if not _hub_reachable():
         raise _unavailable(model_cfg, "not in the local HF cache and the hub is unreachable")
     return path  # let transformers download it
+
+
+def read_verifier_tensor(model_cfg, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """One tensor of the verifier's checkpoint, read from its safetensors without building the
+    model (offline features need only the lm_head and the embedding). The first of `names`
+    present wins (e.g. ("lm_head.weight", "model.embed_tokens.weight"): a tied lm_head is the
+    embedding); its shape must be `shape`."""
+    folder = resolve_path(model_cfg)
+    if not isinstance(folder, Path):
+        raise DraftsmithError(f"model={model_cfg.name}: offline features need {names[0]} from a local folder; "
+                              f"pass model.path=/path/to/local/hf/folder")
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                if name in f.keys() and name not in found:
+                    found[name] = f.get_tensor(name)
+    tensor = next((found[n] for n in names if n in found), None)
+    if tensor is None or tuple(tensor.shape) != tuple(shape):
+        got = "none" if tensor is None else tuple(tensor.shape)
+        raise DraftsmithError(f"model={model_cfg.name}: no {tuple(shape)} tensor named {' or '.join(names)} in "
+                              f"{folder} (found {got})")
+    return tensor
 
 
 def fingerprint(model: PreTrainedModel, max_elems_per_tensor: int = 1 << 16) -> str:

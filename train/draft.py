@@ -18,22 +18,19 @@ tau they imply for method.gamma drafted tokens. The best checkpoint is chosen by
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.models.draft import build_student, save_draft_model
+from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
-from draftsmith.train.core.accel import make_accelerator, make_optimizer, make_scheduler, place_frozen
-from draftsmith.train.core.checkpoint import claim_output_dir
-from draftsmith.models.entry import launch
-from draftsmith.train.core.data import IGNORE_INDEX, check_data_verifier, collate_batch
+from draftsmith.models.vocab import IGNORE_INDEX
+from draftsmith.train.core.accel import global_counts
+from draftsmith.train.core.data import collate_batch
 from draftsmith.train.core.features import read_manifest
-from draftsmith.train.core.logging import init_trackers, trackers
-from draftsmith.train.core.loop import BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume
+from draftsmith.train.core.loop import Recipe, fit, frozen_verifier, held_out_totals, start, training_data
 from draftsmith.train.core.losses import acceptance_rate, chain_tau, divergence
 
 
@@ -54,7 +51,7 @@ def teacher_at(verifier, batch: dict, mask: torch.Tensor):
     return verifier.lm_head(hidden[mask])  # (N, V)
 
 
-def distill_loss(student, verifier, batch: dict, mcfg, reduce_count=None):
+def distill_loss(student, verifier, batch: dict, mcfg, reduce_counts=None):
     """The loss step: sum over supervised positions of D(p || q), divided by the global
     position count (times the processes that DDP averages over) -> (loss, stats)."""
     mask = next_token_positions(batch["labels"])  # (B, T)
@@ -62,10 +59,10 @@ def distill_loss(student, verifier, batch: dict, mcfg, reduce_count=None):
     logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
     q_logits = logits[mask]  # (N, V)
     per_pos = divergence(q_logits, teacher, mcfg.divergence, float(mcfg.temperature), float(mcfg.beta))  # (N,)
-    count, world = float(per_pos.numel()), 1
-    if reduce_count is not None:
-        count, world = reduce_count(count)
-    loss = per_pos.sum() * (world / max(count, 1.0))
+    count, world = torch.tensor([float(per_pos.numel())], dtype=torch.float64), 1  # (1,)
+    if reduce_counts is not None:
+        count, world = reduce_counts(count)
+    loss = per_pos.sum() * (world / max(float(count[0]), 1.0))
     with torch.no_grad():
         accept = acceptance_rate(q_logits, teacher, 1.0)  # at T=1: the sampling acceptance rate
         top_t = teacher.argmax(-1) if isinstance(teacher, torch.Tensor) else teacher[1][:, 0].long()
@@ -73,15 +70,6 @@ def distill_loss(student, verifier, batch: dict, mcfg, reduce_count=None):
     stats = {"div_sum": per_pos.detach().sum().item(), "accept_sum": accept.sum().item(),
              "agree_sum": agree.sum().item(), "count": per_pos.numel()}
     return loss, stats
-
-
-def global_count(accelerator):
-    def reduce(count: float):
-        if accelerator.num_processes == 1:
-            return count, 1
-        total = accelerator.reduce(torch.tensor([count], dtype=torch.float64, device=accelerator.device), "sum")
-        return float(total.item()), accelerator.num_processes
-    return reduce
 
 
 @torch.no_grad()
@@ -115,27 +103,19 @@ def on_policy_batch(student, batch: dict, mcfg, pad_id: int, eos_id: int, genera
     return {k: v.to(batch["input_ids"].device) for k, v in collate_batch(examples, pad_id).items()}
 
 
-@torch.no_grad()
 def evaluate(student, verifier, loader, accelerator, mcfg) -> dict:
-    student.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-    for batch in loader:
-        with accelerator.autocast():
-            _, stats = distill_loss(student, verifier, batch, mcfg)
-        totals += torch.tensor([stats["div_sum"], stats["accept_sum"], stats["agree_sum"], stats["count"]],
-                               dtype=torch.float64, device=accelerator.device)
-    student.train()
-    div, accept, agree, count = accelerator.reduce(totals, "sum").tolist()
-    count = max(count, 1.0)
-    alpha, greedy = accept / count, agree / count
-    return {"eval/divergence": div / count, "eval/acceptance_rate": alpha, "eval/greedy_agreement": greedy,
-            "eval/chain_tau_sampled": chain_tau(alpha, int(mcfg.gamma)),
+    """Held-out divergence, acceptance rate sum_x min(p, q), greedy agreement, chain tau."""
+    totals, _ = held_out_totals(accelerator, student, loader,
+                                lambda batch: distill_loss(student, verifier, batch, mcfg))
+    count = max(totals.get("count", 0.0), 1.0)
+    alpha, greedy = totals.get("accept_sum", 0.0) / count, totals.get("agree_sum", 0.0) / count
+    return {"eval/divergence": totals.get("div_sum", 0.0) / count, "eval/acceptance_rate": alpha,
+            "eval/greedy_agreement": greedy, "eval/chain_tau_sampled": chain_tau(alpha, int(mcfg.gamma)),
             "eval/chain_tau_greedy": chain_tau(greedy, int(mcfg.gamma))}
 
 
 def run(cfg: DictConfig) -> dict:
-    tcfg, mcfg = cfg.trainer, cfg.method
-    accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
+    mcfg = cfg.method
     offline = bool(cfg.data.get("features"))
     if offline and not read_manifest(cfg.data.features).get("topk"):
         raise DraftsmithError(f"data.features={cfg.data.features} holds no teacher logits; write them with "
@@ -143,87 +123,61 @@ def run(cfg: DictConfig) -> dict:
     if offline and float(mcfg.onpolicy.ratio) > 0:
         raise DraftsmithError("method.onpolicy.ratio > 0 needs the verifier online to score student samples; "
                               "drop data.features or set method.onpolicy.ratio=0")
-    verifier = load_verifier(cfg.model)
-    check_data_verifier(cfg.data, verifier.fingerprint)
+    accelerator = start(cfg)
+    if offline:  # the student is cut from (or sized after) the whole verifier: loaded, never run
+        verifier, placement = load_verifier(cfg.model), "not used (offline teacher logits)"
+    else:
+        frozen = frozen_verifier(cfg, accelerator, lm_head=False)
+        verifier, placement = frozen.verifier, frozen.placement
     student = build_student(verifier.model, verifier.tokenizer, mcfg.student).to(accelerator.device)
-    placement = "not used (offline teacher logits)" if offline else place_frozen(accelerator, verifier.model)
-    data = load_train_data(cfg, verifier.tokenizer)
-    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
-    eval_loader = accelerator.prepare(data.loader(data.eval, tcfg.eval_batch_size, shuffle=False, seed=0))
+    data, eval_loader = training_data(cfg, accelerator, verifier.tokenizer)
 
-    params = sum(p.numel() for p in student.parameters())
-    optimizer = make_optimizer([{"params": [p for p in student.parameters() if p.requires_grad]}], tcfg)
-    scheduler = make_scheduler(optimizer, tcfg)
-    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
-    init_trackers(accelerator, cfg.logger, f"draft-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
-                  cfg.output_dir)
-    step = resume(accelerator, cfg)
-    batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
-    accelerator.print(f"draft: {mcfg.student.init} student, {params:,} params vs verifier "
-                      f"{sum(getattr(p, 'ds_numel', p.numel()) for p in verifier.model.parameters()):,}; "
-                      f"{mcfg.divergence} at "
-                      f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; {len(data.train)} train / "
-                      f"{len(data.eval)} held-out conversations, {batches.per_epoch} batches/epoch; verifier "
-                      f"{verifier.name} [{verifier.fingerprint}] {placement}")
-    metrics: dict = {}
-    best = best_so_far(cfg.output_dir, step, "eval/acceptance_rate")
-    generator = torch.Generator().manual_seed(cfg.seed + 7919 * step)  # on-policy sampling seeds, resumable
+    # Fixed data, or with probability onpolicy.ratio per step the student's own sampled answers.
+    generator = torch.Generator().manual_seed(cfg.seed)  # on-policy sampling seeds, advanced per step
     coin = random.Random(cfg.seed)
-    coins = [coin.random() for _ in range(tcfg.max_steps)]  # the same fixed/on-policy choice on every process
-    tokens, t0 = 0, time.time()
-    bar = tqdm(total=tcfg.max_steps, initial=step, desc="draft", disable=not accelerator.is_main_process)
-    student.train()
-    while step < tcfg.max_steps:
-        on_policy = coins[step] < float(mcfg.onpolicy.ratio)
-        for _ in range(tcfg.grad_accum):
-            batch = next(batches)
-            if on_policy:
-                batch = on_policy_batch(student, batch, mcfg, data.pad_id, verifier.tokenizer.eos_token_id, generator)
-            with accelerator.accumulate(student):
-                with accelerator.autocast():
-                    loss, stats = distill_loss(student, verifier, batch, mcfg, global_count(accelerator))
-                optimizer_step(accelerator, student, loss, optimizer, tcfg)
-            tokens += int(batch["attention_mask"].sum())
-        scheduler.step()  # once per optimizer step, whatever the process count
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
-            accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
-                             "train/acceptance_rate": stats["accept_sum"] / max(stats["count"], 1),
-                             "train/on_policy": float(on_policy),
-                             "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)},
-                            step=step)
-        new_metrics, best = after_step(
-            accelerator, cfg, step, batches, best=best, key="eval/acceptance_rate", t0=t0,
-            evaluate=lambda: evaluate(student, verifier, eval_loader, accelerator, mcfg),
-            save=lambda m, name: save_student(cfg, accelerator, student, verifier, m, name))
-        metrics = new_metrics or metrics
-    bar.close()
-    if not metrics:  # max_steps=0 (the undistilled baseline) or a finished run resumed: evaluate what is saved
-        metrics = evaluate(student, verifier, eval_loader, accelerator, mcfg)
-        accelerator.log(metrics, step=step)
+    coins = [coin.random() for _ in range(cfg.trainer.max_steps)]  # the same choice on every process
+    on_policy = {"step": -1, "now": False}
 
-    final = save_student(cfg, accelerator, student, verifier, {**metrics, "step": step}, "final")
-    elapsed = time.time() - t0
-    accelerator.end_training()
-    accelerator.print(f"draft done: {step} steps in {elapsed:.0f}s, held-out acceptance rate "
-                      f"{metrics.get('eval/acceptance_rate', float('nan')):.3f}, greedy agreement "
-                      f"{metrics.get('eval/greedy_agreement', float('nan')):.3f}, drafter -> {final}")
-    return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
-            "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
+    def prepare_batch(model, batch, step):
+        on_policy["now"] = coins[step] < float(mcfg.onpolicy.ratio)
+        if on_policy["step"] != step:  # resumable: the seed of step s does not depend on earlier steps
+            generator.manual_seed(cfg.seed + 7919 * step)
+            on_policy["step"] = step
+        if not on_policy["now"]:
+            return batch
+        return on_policy_batch(model, batch, mcfg, data.pad_id, verifier.tokenizer.eos_token_id, generator)
 
+    def loss_step(model, batch):
+        """The loss step: D(p || q) of the student against the frozen verifier."""
+        with accelerator.autocast():
+            loss, stats = distill_loss(model, verifier, batch, mcfg, global_counts(accelerator))
+        return loss, {"train/acceptance_rate": stats["accept_sum"] / max(stats["count"], 1),
+                      "train/on_policy": float(on_policy["now"])}
 
-def save_student(cfg, accelerator, student, verifier, metrics: dict, name: str):
-    out = f"{cfg.output_dir}/{name}"
-    state = accelerator.get_state_dict(student)  # every process: ZeRO-3 gathers the shards here
-    if accelerator.is_main_process:
-        save_draft_model(out, accelerator.unwrap_model(student), verifier.tokenizer, state_dict=state,
-                         verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
-                         meta={"method": cfg.method.name, "divergence": cfg.method.divergence, "metrics": metrics},
-                         resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-    accelerator.wait_for_everyone()
-    return out
+    def save(model, metrics: dict, name: str) -> str:
+        out = f"{cfg.output_dir}/{name}"
+        state = accelerator.get_state_dict(model)  # every process: ZeRO-3 gathers the shards here
+        if accelerator.is_main_process:
+            save_draft_model(out, accelerator.unwrap_model(model), verifier.tokenizer, state_dict=state,
+                             verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
+                             meta={"method": mcfg.name, "divergence": mcfg.divergence, "metrics": metrics},
+                             resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+        accelerator.wait_for_everyone()
+        return out
+
+    def report(m: dict) -> str:
+        return (f"held-out acceptance rate {m.get('eval/acceptance_rate', float('nan')):.3f}, greedy agreement "
+                f"{m.get('eval/greedy_agreement', float('nan')):.3f}")
+
+    verifier_params = sum(getattr(p, "ds_numel", p.numel()) for p in verifier.model.parameters())
+    return fit(cfg, accelerator, data, Recipe(
+        name=mcfg.name, model=student, param_groups=[{"params": [p for p in student.parameters() if p.requires_grad]}],
+        loss_step=loss_step, prepare_batch=prepare_batch,
+        evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg), save=save,
+        best_key="eval/acceptance_rate", report=report,
+        describe=f"{mcfg.student.init} student of a {verifier_params:,}-param verifier, {mcfg.divergence} at "
+                 f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; verifier {verifier.name} "
+                 f"[{verifier.fingerprint}] {placement}"))
 
 
 if __name__ == "__main__":

@@ -21,29 +21,22 @@ step's top-1 agreement with the verifier's greedy token and the simulated accept
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedType
-from omegaconf import DictConfig, OmegaConf
-from safetensors import safe_open
-from tqdm.auto import tqdm
+from omegaconf import DictConfig
 
+from draftsmith.decode.tree import additive_mask
 from draftsmith.models.eagle import EagleConfig, EagleDrafter
-from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.verifier import default_fusion_layers, load_verifier, resolve_layers, resolve_path
-from draftsmith.models.vocab import draft_vocab, label_counts
-from draftsmith.train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
-from draftsmith.train.core.checkpoint import claim_output_dir
 from draftsmith.models.entry import launch
-from draftsmith.train.core.data import IGNORE_INDEX, check_data_verifier
-from draftsmith.train.core.features import offline_verifier, read_manifest
-from draftsmith.train.core.logging import init_trackers, trackers
-from draftsmith.train.core.loop import (BatchStream, after_step, best_so_far, load_train_data, optimizer_step, resume,
-                             save_drafter_dir)
-from draftsmith.train.medusa import global_counts, simulated_tau
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import default_fusion_layers, resolve_layers, resolve_path
+from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts
+from draftsmith.train.core.accel import global_counts
+from draftsmith.train.core.features import read_manifest
+from draftsmith.train.core.losses import simulated_tau
+from draftsmith.train.core.loop import Recipe, fit, frozen_verifier, held_out_totals, save_drafter_dir, start, training_data
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -65,8 +58,7 @@ def unroll_mask(pad_ok: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Te
     causal = torch.ones(T, T, dtype=torch.bool, device=pad_ok.device).tril()  # (T, T)
     real = (causal[None] & pad_ok[:, None, :]) | eye[None]  # (B, T, T)
     allowed = torch.cat([real] + [eye[None].expand(B, T, T)] * step, dim=-1)  # (B, T, (step+1)T)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=pad_ok.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return additive_mask(allowed, dtype)[:, None]  # (B, 1, T, (step+1)T)
 
 
 def soft_targets(drafter, target: dict, rows: torch.Tensor, lm_head) -> torch.Tensor:
@@ -139,10 +131,8 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
         cls_sum = -(probs * torch.log_softmax(logits, dim=-1)).sum()
         step_sum = mcfg.w_feat * feat_sum + mcfg.w_cls * cls_sum
         loss = loss + mcfg.decay ** s * step_sum * (world / max(float(counts[s]), 1.0))
-        if rows.numel() == 0:
-            continue
-        with torch.no_grad():
-            stats[f"step{s}/loss"] = step_sum.item() / rows.numel()
+        with torch.no_grad():  # every key on every process, even without rows (stats are summed across them)
+            stats[f"step{s}/loss"] = step_sum.item() / max(rows.numel(), 1)
             stats[f"step{s}/top1_hits"] = (logits.argmax(-1) == probs.argmax(-1)).sum().item()
             stats[f"step{s}/count"] = rows.numel()
     return loss, stats
@@ -164,44 +154,17 @@ def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
     return out
 
 
-@torch.no_grad()
 def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed, lm_head) -> dict:
-    drafter.eval()
-    totals: dict[str, float] = {}
-    loss_sum, batches = 0.0, 0
-    for batch in loader:
-        inputs = verifier_inputs(verifier, batch, layers, embed)
-        with accelerator.autocast():
-            loss, stats = eagle_loss(drafter, inputs, lm_head, mcfg, mcfg.eval_steps)
-        loss_sum, batches = loss_sum + loss.item(), batches + 1
-        for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + value
-    drafter.train()
-    totals = {k: accelerator.reduce(torch.tensor(v, device=accelerator.device), "sum").item()
-              for k, v in sorted(totals.items())}
-    metrics = {"eval/loss": loss_sum / max(batches, 1)}
+    """Held-out loss, per unrolled step top-1 agreement with the verifier, simulated tau."""
+    totals, loss = held_out_totals(accelerator, drafter, loader, lambda batch: eagle_loss(
+        drafter, verifier_inputs(verifier, batch, layers, embed), lm_head, mcfg, mcfg.eval_steps))
+    metrics = {"eval/loss": loss}
     top1 = []
     for s in range(mcfg.eval_steps):
         top1.append(totals.get(f"step{s}/top1_hits", 0.0) / max(totals.get(f"step{s}/count", 0.0), 1.0))
         metrics[f"eval/step{s}_top1"] = top1[-1]
     metrics["eval/simulated_tau"] = simulated_tau(top1)
     return metrics
-
-
-def load_embedding(model_cfg, vocab_size: int, hidden_size: int) -> torch.nn.Embedding:
-    """Only the verifier's input embedding, read from its safetensors (offline features)."""
-    folder = resolve_path(model_cfg)
-    if not isinstance(folder, Path):
-        raise DraftsmithError(f"model={model_cfg.name}: offline features need the verifier's embedding from a "
-                              f"local folder; pass model.path=/path/to/local/hf/folder")
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            if "model.embed_tokens.weight" in f.keys():
-                weight = f.get_tensor("model.embed_tokens.weight")
-                if tuple(weight.shape) == (vocab_size, hidden_size):
-                    return torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
-    raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) model.embed_tokens.weight "
-                          f"in {folder}")
 
 
 def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layers: list[int] | None) -> EagleConfig:
@@ -222,94 +185,44 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
 
 
 def run(cfg: DictConfig) -> dict:
-    tcfg, mcfg = cfg.trainer, cfg.method
-    accelerator = make_accelerator(tcfg, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
-    if cfg.data.get("features"):  # offline: stored states; only the embedding and lm_head are loaded
-        manifest = read_manifest(cfg.data.features)
-        verifier = offline_verifier(cfg.model, manifest)
-        lm_head = verifier.lm_head.to(accelerator.device)
-        hf_config = json.loads((Path(resolve_path(cfg.model)) / "config.json").read_text())
-        embed = load_embedding(cfg.model, verifier.config.vocab_size, verifier.config.hidden_size)
-        placement = "not loaded (offline features)"
-    else:  # online: the frozen verifier runs inside every step
-        verifier = load_verifier(cfg.model)
-        check_data_verifier(cfg.data, verifier.fingerprint)
-        hf_config = verifier.config.to_dict()
-        # The drafter multiplies by the embedding and lm_head as whole matrices: frozen copies, never sharded.
-        sharded = zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP
-        embed = full_copy(verifier.embed_tokens) if sharded else verifier.embed_tokens
-        lm_head = full_copy(verifier.lm_head) if sharded else verifier.lm_head
-        placement = place_frozen(accelerator, verifier.model)
-    embed.to(accelerator.device)
-    lm_head.to(accelerator.device)
-    data = load_train_data(cfg, getattr(verifier, "tokenizer", None))
-    train_ds, eval_ds = data.train, data.eval
-    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
-    eval_loader = accelerator.prepare(data.loader(eval_ds, tcfg.eval_batch_size, shuffle=False, seed=0))
+    mcfg = cfg.method
+    accelerator = start(cfg)
+    frozen = frozen_verifier(cfg, accelerator, embedding=True)  # online, or only its lm_head and embedding
+    verifier, lm_head, embed = frozen.verifier, frozen.lm_head, frozen.embed
+    hf_config = json.loads((Path(resolve_path(cfg.model)) / "config.json").read_text()) if frozen.offline \
+        else verifier.config.to_dict()
+    data, eval_loader = training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
 
-    stored = manifest.get("layers", []) if cfg.data.get("features") else None
+    # The model: one decoder layer of the verifier's family over fc(embedding, feature).
+    stored = read_manifest(cfg.data.features).get("layers", []) if frozen.offline else None
     config = drafter_config(cfg, verifier, hf_config, int(hf_config["num_hidden_layers"]), stored)
     layers = config.fusion_layers
     drafter = EagleDrafter(config)
     if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
-        counts = label_counts(train_ds.labels() if data.offline else train_ds["labels"], config.vocab_size)
-        d2t = draft_vocab(counts, config.draft_vocab_size)
-        drafter.set_draft_vocab(d2t, lm_head)
+        counts = label_counts(data.train.labels() if data.offline else data.train["labels"], config.vocab_size)
+        drafter.set_draft_vocab(draft_vocab(counts, config.draft_vocab_size), lm_head)
     drafter.to(accelerator.device)
-    trainable = sum(p.numel() for p in drafter.parameters())  # before prepare: ZeRO-3 partitions them
-    optimizer = make_optimizer([{"params": [p for p in drafter.parameters() if p.requires_grad]}], tcfg)
-    scheduler = make_scheduler(optimizer, tcfg)
-    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    init_trackers(accelerator, cfg.logger, f"{mcfg.name}-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
-                  cfg.output_dir)
 
-    step = resume(accelerator, cfg)
-    batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
-    accelerator.print(f"{mcfg.name}: {config.variant} drafter ({trainable:,} "
-                      f"params; fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
-                      f"{len(train_ds)} train / {len(eval_ds)} held-out conversations, {batches.per_epoch} "
-                      f"batches/epoch, verifier {verifier.name} [{verifier.fingerprint}] {placement}")
-    metrics: dict = {}
-    best = best_so_far(cfg.output_dir, step, "eval/simulated_tau")
-    tokens, t0 = 0, time.time()
-    bar = tqdm(total=tcfg.max_steps, initial=step, desc=mcfg.name, disable=not accelerator.is_main_process)
-    drafter.train()
-    while step < tcfg.max_steps:
-        for _ in range(tcfg.grad_accum):
-            batch = next(batches)
-            with accelerator.accumulate(drafter):
-                # The loss step: frozen verifier states, then the unrolled drafter's feature + token loss.
-                inputs = verifier_inputs(verifier, batch, layers, embed)
-                with accelerator.autocast():
-                    loss, stats = eagle_loss(drafter, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
-                                             global_counts(accelerator))
-                optimizer_step(accelerator, drafter, loss, optimizer, tcfg)
-            tokens += int(batch["attention_mask"].sum())
-        scheduler.step()  # once per optimizer step, whatever the process count
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
-            log = {"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
-                   "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0)}
-            log.update({f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")})
-            accelerator.log(log, step=step)
-        new_metrics, best = after_step(
-            accelerator, cfg, step, batches, best=best, key="eval/simulated_tau", t0=t0,
-            evaluate=lambda: evaluate(verifier, drafter, eval_loader, accelerator, mcfg, layers, embed, lm_head),
-            save=lambda m, name: save_drafter_dir(cfg, accelerator, drafter, "eagle", config, verifier, m, name))
-        metrics = new_metrics or metrics
-    bar.close()
+    def loss_step(model, batch):
+        """The loss step: frozen verifier states, then the unrolled drafter's feature + token loss."""
+        inputs = verifier_inputs(verifier, batch, layers, embed)
+        with accelerator.autocast():
+            loss, stats = eagle_loss(model, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
+                                     global_counts(accelerator))
+        return loss, {f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")}
 
-    final = save_drafter_dir(cfg, accelerator, drafter, "eagle", config, verifier, {**metrics, "step": step}, "final")
-    elapsed = time.time() - t0
-    summary = {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
-               "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
-    accelerator.end_training()
-    top1 = " ".join(f"s{s}={metrics.get(f'eval/step{s}_top1', float('nan')):.3f}" for s in range(mcfg.eval_steps))
-    accelerator.print(f"{mcfg.name} done: {step} steps in {elapsed:.0f}s, held-out top-1 {top1}, "
-                      f"simulated tau {metrics.get('eval/simulated_tau', float('nan')):.2f}, drafter -> {final}")
-    return summary
+    def report(m: dict) -> str:
+        top1 = " ".join(f"s{s}={m.get(f'eval/step{s}_top1', float('nan')):.3f}" for s in range(mcfg.eval_steps))
+        return f"held-out top-1 {top1}, simulated tau {m.get('eval/simulated_tau', float('nan')):.2f}"
+
+    return fit(cfg, accelerator, data, Recipe(
+        name=mcfg.name, model=drafter, param_groups=[{"params": [p for p in drafter.parameters() if p.requires_grad]}],
+        loss_step=loss_step,
+        evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg, layers, embed, lm_head),
+        save=lambda model, m, name: save_drafter_dir(cfg, accelerator, model, "eagle", config, verifier, m, name),
+        best_key="eval/simulated_tau", report=report,
+        describe=f"{config.variant} drafter (fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
+                 f"verifier {verifier.name} [{verifier.fingerprint}] {frozen.placement}"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ import torch.nn.functional as F
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.vocab import draft_vocab
 from tests.tiny import tiny_llama
-from draftsmith.train.medusa import head_targets, medusa_loss, simulated_tau
+from draftsmith.train.core.losses import simulated_tau
+from draftsmith.train.medusa import head_targets, medusa_loss
 
 
 def _heads(model, mode="own", k=3):

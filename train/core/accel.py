@@ -188,3 +188,13 @@ def make_scheduler(optimizer, trainer_cfg):
     if make is get_constant_schedule_with_warmup:
         return make(optimizer, num_warmup_steps=warmup)
     return make(optimizer, num_warmup_steps=warmup, num_training_steps=trainer_cfg.max_steps)
+
+
+def global_counts(accelerator):
+    """A reducer for token-normalised losses: counts (K,) on this process -> (their sum over
+    every process, the number of processes that DDP / DeepSpeed average gradients over)."""
+    def reduce(counts: torch.Tensor):
+        if accelerator.num_processes == 1:
+            return counts, 1
+        return accelerator.reduce(counts.to(accelerator.device), "sum").cpu(), accelerator.num_processes
+    return reduce

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.verifier import DTYPES, resolve_path
+from draftsmith.models.verifier import DTYPES, read_verifier_tensor
 from draftsmith.train.core.data import LengthBucketBatchSampler, collate_batch
 
 MANIFEST = "manifest.json"
@@ -115,40 +115,30 @@ def make_feature_dataloader(ds: FeatureDataset, batch_size: int, shuffle: bool, 
     return DataLoader(ds, batch_sampler=sampler, collate_fn=collate_features)
 
 
-def load_lm_head(model_cfg, hidden_size: int, vocab_size: int) -> torch.nn.Linear:
-    """Only the verifier's output projection, read from its safetensors (tied: the embedding)."""
-    folder = resolve_path(model_cfg)
-    if not isinstance(folder, Path):
-        raise DraftsmithError(f"model={model_cfg.name}: offline features need the verifier's lm_head from a "
-                              f"local folder; pass model.path=/path/to/local/hf/folder")
-    weight = None
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            for key in ("lm_head.weight", "model.embed_tokens.weight"):
-                if key in keys and (weight is None or key == "lm_head.weight"):
-                    weight = f.get_tensor(key)
-    if weight is None or tuple(weight.shape) != (vocab_size, hidden_size):
-        raise DraftsmithError(f"model={model_cfg.name}: no ({vocab_size}, {hidden_size}) lm_head or tied "
-                              f"embedding in {folder}")
-    head = torch.nn.Linear(hidden_size, vocab_size, bias=False, dtype=DTYPES[model_cfg.get("dtype", "float32")])
-    head.weight.data.copy_(weight)
-    return head.requires_grad_(False)
-
-
 @dataclass
 class OfflineVerifier:
-    """What a trainer needs of the verifier when features come from disk: no transformer body."""
+    """What a trainer needs of the verifier when features come from disk: no transformer body,
+    only the tensors a drafter multiplies by, read from the verifier's checkpoint."""
 
     lm_head: torch.nn.Linear
+    embed_tokens: torch.nn.Embedding | None
     fingerprint: str
     name: str
     config: SimpleNamespace
 
 
-def offline_verifier(model_cfg, manifest: dict) -> OfflineVerifier:
+def offline_verifier(model_cfg, manifest: dict, embedding: bool = False) -> OfflineVerifier:
+    """The lm_head (a tied one is the embedding) and, with `embedding`, the input embedding."""
     h, v = manifest["hidden_size"], manifest["vocab_size"]
-    return OfflineVerifier(lm_head=load_lm_head(model_cfg, h, v), fingerprint=manifest["verifier"]["fingerprint"],
+    dtype = DTYPES[model_cfg.get("dtype", "float32")]
+    weight = read_verifier_tensor(model_cfg, ("lm_head.weight", "model.embed_tokens.weight"), (v, h))
+    lm_head = torch.nn.Linear(h, v, bias=False, dtype=dtype).requires_grad_(False)
+    lm_head.weight.data.copy_(weight)
+    embed = None
+    if embedding:
+        weight = read_verifier_tensor(model_cfg, ("model.embed_tokens.weight",), (v, h))
+        embed = torch.nn.Embedding.from_pretrained(weight.float(), freeze=True)
+    return OfflineVerifier(lm_head=lm_head, embed_tokens=embed, fingerprint=manifest["verifier"]["fingerprint"],
                            name=manifest["verifier"]["name"], config=SimpleNamespace(hidden_size=h, vocab_size=v))
 
 

@@ -1,22 +1,43 @@
-"""Training-loop plumbing shared by the trainers: data (online or offline), the batch stream
-with its resumable data position, and the best-checkpoint bookkeeping. Each trainer keeps
-its own loop and loss step in plain view (train/medusa.py, train/eagle.py, train/draft.py).
+"""The training skeleton every recipe runs on, and its plumbing.
+
+A recipe (train/medusa.py, train/eagle.py, train/draft.py) keeps in plain view what makes it
+that method: how the trained module is built, its loss step and its held-out metrics. It
+hands them to `fit` as a `Recipe`; `fit` owns everything the methods share:
+
+    optimizer + LR schedule + accelerator.prepare      (one code path for 1 process, DDP, FSDP, ZeRO)
+    trackers, resume from output_dir/checkpoints        (exact: data position, RNG, optimizer)
+    while step < max_steps:
+        grad_accum x [batch -> recipe.loss_step -> backward / clip / step]
+        schedule step, logs, every eval_every: recipe.evaluate (+ best), every save_every: state
+    final save, summary line
+
+Below it: the frozen verifier (online, or only the tensors offline features need), the data
+(online conversations or stored features), the resumable batch stream.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from draftsmith.models.checkpoint import save_drafter
-from draftsmith.train.core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from draftsmith.models.sources import load_conversations
-from draftsmith.train.core.data import make_dataloader, split_heldout, tokenize_conversations
-from draftsmith.train.core.features import FeatureDataset, make_feature_dataloader
+from draftsmith.models.verifier import load_verifier
+from draftsmith.train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
+from draftsmith.train.core.checkpoint import (claim_output_dir, latest_checkpoint, load_training_state,
+                                              save_training_state)
+from draftsmith.train.core.data import (check_data_verifier, make_dataloader, padding_fraction, split_heldout,
+                                        tokenize_conversations)
+from draftsmith.train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
+from draftsmith.train.core.logging import init_trackers, trackers
 
 
 @dataclass
@@ -133,3 +154,149 @@ def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metri
                      resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
     accelerator.wait_for_everyone()
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# Setup shared by the recipes
+
+
+def start(cfg):
+    """The accelerator for this launch (trackers from the `logger` group)."""
+    return make_accelerator(cfg.trainer, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
+
+
+@dataclass
+class Frozen:
+    """The frozen verifier as a trainer sees it. `model` is None with offline features: only
+    the tensors the drafter multiplies by (lm_head, embedding) are read from the checkpoint."""
+
+    verifier: object  # models.verifier.Verifier, or features.OfflineVerifier
+    lm_head: torch.nn.Module | None
+    embed: torch.nn.Module | None
+    placement: str  # for the start line: replicated / sharded / not loaded
+
+    @property
+    def offline(self) -> bool:
+        return not hasattr(self.verifier, "model")
+
+
+def frozen_verifier(cfg, accelerator, lm_head: bool = True, embedding: bool = False) -> Frozen:
+    """The verifier for a drafter trained on its states: online (placed by the launch:
+    replicated, ZeRO-3 partitioned or FSDP sharded, with whole frozen copies of the lm_head and
+    embedding the drafter multiplies by) or, with data.features, only those two tensors."""
+    if cfg.data.get("features"):
+        verifier = offline_verifier(cfg.model, read_manifest(cfg.data.features), embedding=embedding)
+        embed = verifier.embed_tokens.to(accelerator.device) if embedding else None
+        return Frozen(verifier, verifier.lm_head.to(accelerator.device), embed, "not loaded (offline features)")
+    verifier = load_verifier(cfg.model)
+    check_data_verifier(cfg.data, verifier.fingerprint)  # warns if another verifier wrote the data
+    sharded = zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP
+    whole = full_copy if sharded else (lambda module: module)  # never sharded: used as whole matrices
+    head = whole(verifier.lm_head).to(accelerator.device) if lm_head else None
+    embed = whole(verifier.embed_tokens).to(accelerator.device) if embedding else None
+    return Frozen(verifier, head, embed, place_frozen(accelerator, verifier.model))
+
+
+def training_data(cfg, accelerator, tokenizer) -> tuple[TrainData, object]:
+    """The train / held-out splits (claiming output_dir for this config) and the prepared
+    held-out loader."""
+    data = load_train_data(cfg, tokenizer)
+    claim_output_dir(cfg.output_dir, cfg, accelerator.is_main_process)
+    eval_loader = accelerator.prepare(data.loader(data.eval, cfg.trainer.eval_batch_size, shuffle=False, seed=0))
+    return data, eval_loader
+
+
+@torch.no_grad()
+def held_out_totals(accelerator, model, loader, step) -> tuple[dict[str, float], float]:
+    """Run `step(batch) -> (loss, stats)` over the held-out loader in eval mode and sum each
+    stat over batches and processes -> (totals, mean loss)."""
+    model.eval()
+    totals: dict[str, float] = {}
+    loss_sum, batches = 0.0, 0
+    for batch in loader:
+        with accelerator.autocast():
+            loss, stats = step(batch)
+        loss_sum, batches = loss_sum + loss.item(), batches + 1
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    model.train()
+    keys = sorted(totals)
+    summed = accelerator.reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64,
+                                             device=accelerator.device), "sum").tolist() if keys else []
+    return dict(zip(keys, summed)), loss_sum / max(batches, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# The skeleton
+
+
+@dataclass
+class Recipe:
+    """What makes a method, built by its recipe's run() and driven by `fit`. Every callable gets
+    the PREPARED module (wrapped by DDP / DeepSpeed / FSDP)."""
+
+    name: str  # method name: progress bar, tracker run name, start and end lines
+    model: torch.nn.Module  # the trained module, not yet prepared
+    param_groups: list[dict]  # for the optimizer (lr multipliers go here)
+    loss_step: Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]  # (model, batch) -> (loss, train logs)
+    evaluate: Callable[[torch.nn.Module], dict]  # held-out metrics {"eval/...": float}
+    save: Callable[[torch.nn.Module, dict, str], str]  # (model, metrics, "best" | "final") -> folder
+    best_key: str  # the eval metric (higher is better) that picks output_dir/best
+    describe: str  # what is trained on what: the start line
+    report: Callable[[dict], str]  # the end line's metrics
+    prepare_batch: Callable[[torch.nn.Module, dict, int], dict] | None = None  # (model, batch, step) -> batch
+
+
+def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
+    """Train `recipe` for trainer.max_steps optimizer steps (resuming from output_dir) and save
+    output_dir/final (and /best by recipe.best_key). -> the summary dict."""
+    tcfg = cfg.trainer
+    trainable = sum(p.numel() for g in recipe.param_groups for p in g["params"])  # before ZeRO-3 partitions them
+    optimizer = make_optimizer(recipe.param_groups, tcfg)
+    scheduler = make_scheduler(optimizer, tcfg)
+    model, optimizer, scheduler = accelerator.prepare(recipe.model, optimizer, scheduler)
+    init_trackers(accelerator, cfg.logger, f"{recipe.name}-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
+                  cfg.output_dir)
+    step = resume(accelerator, cfg)
+    batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
+    padding = padding_fraction(data.loader(data.train, tcfg.batch_size, shuffle=True, seed=cfg.seed))  # from lengths
+    accelerator.print(f"{recipe.name}: {recipe.describe}; {trainable:,} trainable params, {len(data.train)} train / "
+                      f"{len(data.eval)} held-out conversations, {batches.per_epoch} batches/epoch "
+                      f"({padding:.0%} padding)")
+    metrics: dict = {}
+    best = best_so_far(cfg.output_dir, step, recipe.best_key)
+    tokens, t0 = 0, time.time()
+    bar = tqdm(total=tcfg.max_steps, initial=step, desc=recipe.name, disable=not accelerator.is_main_process)
+    model.train()
+    while step < tcfg.max_steps:
+        for _ in range(tcfg.grad_accum):
+            batch = next(batches)
+            if recipe.prepare_batch is not None:
+                batch = recipe.prepare_batch(model, batch, step)
+            with accelerator.accumulate(model):
+                loss, logs = recipe.loss_step(model, batch)  # the method's own loss, in its recipe
+                optimizer_step(accelerator, model, loss, optimizer, tcfg)
+            tokens += int(batch["attention_mask"].sum())
+        scheduler.step()  # once per optimizer step, whatever the process count
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % tcfg.log_every == 0 or step == tcfg.max_steps:
+            accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
+                             "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0), **logs},
+                            step=step)
+        new_metrics, best = after_step(accelerator, cfg, step, batches, best=best, key=recipe.best_key, t0=t0,
+                                       evaluate=lambda: recipe.evaluate(model),
+                                       save=lambda m, name: recipe.save(model, m, name))
+        metrics = new_metrics or metrics
+    bar.close()
+    if not metrics:  # max_steps=0 (an untrained baseline) or a finished run resumed: evaluate what is saved
+        metrics = recipe.evaluate(model)
+        accelerator.log(metrics, step=step)
+
+    final = recipe.save(model, {**metrics, "step": step}, "final")
+    elapsed = time.time() - t0
+    accelerator.end_training()
+    accelerator.print(f"{recipe.name} done: {step} steps in {elapsed:.0f}s, {recipe.report(metrics)}, drafter -> {final}")
+    return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
+            "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}

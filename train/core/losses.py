@@ -84,3 +84,14 @@ def chain_tau(alpha: float, gamma: int) -> float:
     if alpha >= 1.0:
         return float(gamma + 1)
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def simulated_tau(top1: list[float]) -> float:
+    """Expected tokens per verifier pass for greedy chain verification by drafts whose k-th
+    token agrees with the verifier with probability top1[k] (given the earlier ones agreed):
+    1 (the verifier's own token) + sum_k prod_{j<=k} top1_j (SpecForge / ModelOpt style)."""
+    tau, run = 1.0, 1.0
+    for acc in top1:
+        run *= acc
+        tau += run
+    return tau
