@@ -8,8 +8,7 @@ keys were computed at position cache_len + depth, which is the accepted token's 
 
 transformers 5.x keeps one layer object per model layer in ``cache.layers``; a layer's
 ``keys``/``values`` are (B, H_kv, S, D). ``DynamicLayer.update`` concatenates, so its tensors
-are rebound (never written in place) on the next forward and a sliced view here is safe;
-``StaticLayer`` writes in place at ``cumulative_length``, which is reset here. Note that 5.x's
+are rebound (never written in place) on the next forward and a sliced view here is safe. Note that 5.x's
 ``crop`` takes a NEGATIVE count of tokens to remove (a positive value raises), which is why it
 is not used here.
 
@@ -22,17 +21,11 @@ state that cannot drop tree nodes at all. Those raise instead of silently corrup
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
 
 # Exact layer classes whose per-token keys/values can be compacted by index (subclasses such as
 # DynamicSlidingWindowLayer or QuantizedLayer inherit from these but store tokens differently).
 _DYNAMIC = (DynamicLayer,)
-_STATIC = (StaticLayer,)
-
-
-def cache_length(cache: Cache) -> int:
-    """Number of tokens held by the cache (0 for a fresh DynamicCache)."""
-    return int(cache.get_seq_length())
 
 
 def check_compactable(cache: Cache) -> None:
@@ -45,7 +38,7 @@ def check_compactable(cache: Cache) -> None:
     if getattr(cache, "offloading", False):
         raise TypeError("KV-cache compaction does not support offloaded caches; build the cache with offloading=False")
     for i, layer in enumerate(cache.layers):
-        if type(layer) in _DYNAMIC or type(layer) in _STATIC or isinstance(layer, DummyLayer):
+        if type(layer) in _DYNAMIC or isinstance(layer, DummyLayer):
             continue
         kind = type(layer).__name__
         if getattr(layer, "is_sliding", False):
@@ -91,8 +84,5 @@ def compact_cache(cache: Cache, cache_len: int, keep: torch.Tensor | Sequence[in
             # Advanced indexing copies first, so overlapping source/target slots are safe.
             keys[:, :, cache_len:new_len] = keys.index_select(2, src)
             values[:, :, cache_len:new_len] = values.index_select(2, src)
-        if type(layer) in _STATIC:
-            layer.cumulative_length.fill_(new_len)  # stale slots beyond are overwritten later
-        else:
-            layer.keys = keys[:, :, :new_len]
-            layer.values = values[:, :, :new_len]
+        layer.keys = keys[:, :, :new_len]
+        layer.values = values[:, :, :new_len]

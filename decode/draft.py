@@ -38,10 +38,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.decode.cache import check_compactable, compact_cache
-from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams
 from draftsmith.decode import sampling
-from draftsmith.decode.sampling import logits_to_probs
+from draftsmith.decode.cache import check_compactable, compact_cache
+from draftsmith.decode.proposers import DraftTree, Proposer
+from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.decode.tree import additive_mask, ancestor_mask
 from draftsmith.models.errors import DraftsmithError, choose
 

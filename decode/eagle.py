@@ -34,8 +34,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams, _is_chain
+from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
+from draftsmith.models.errors import DraftsmithError
 
 
 class EagleProposer(Proposer):
@@ -57,7 +59,7 @@ class EagleProposer(Proposer):
         self.lm_head = lm_head
         cfg = drafter.config
         if cfg.lm_head != "own" and lm_head is None:
-            raise ValueError(f"this EAGLE drafter (lm_head={cfg.lm_head}) needs lm_head=verifier.lm_head")
+            raise DraftsmithError(f"this EAGLE drafter (lm_head={cfg.lm_head}) needs lm_head=verifier.lm_head")
         # The verifier layers whose states the engine must hand to prefill/accept (EAGLE-3).
         self.feature_layers = list(cfg.fusion_layers) if cfg.variant == "eagle3" else []
         param = next(drafter.parameters())
@@ -65,21 +67,21 @@ class EagleProposer(Proposer):
         self.dynamic = paths is None
         if self.dynamic:
             if depth is None or top_k is None or total_tokens is None:
-                raise ValueError("a dynamic EAGLE tree needs depth, top_k and total_tokens (or pass paths)")
+                raise DraftsmithError("a dynamic EAGLE tree needs depth, top_k and total_tokens (or pass paths)")
             if depth < 1 or top_k < 1 or total_tokens < 1:
-                raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")
+                raise DraftsmithError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")
             if top_k > cfg.num_draft_tokens:
-                raise ValueError(f"top_k={top_k} exceeds the {cfg.num_draft_tokens}-token draft vocabulary")
+                raise DraftsmithError(f"top_k={top_k} exceeds the {cfg.num_draft_tokens}-token draft vocabulary")
             self.depth, self.top_k, self.total_tokens = int(depth), int(top_k), int(total_tokens)
         else:
             if depth is not None or top_k is not None or total_tokens is not None:
-                raise ValueError("pass either paths (a static tree) or depth/top_k/total_tokens (dynamic), not both")
+                raise DraftsmithError("pass either paths (a static tree) or depth/top_k/total_tokens (dynamic), not both")
             buffers = TreeBuffers.from_paths(paths)
             self.buffers = buffers.to(self.device)
             self.depth = int(buffers.depths.max())
             self.top_k = int(buffers.choices.max()) + 1 if buffers.size > 1 else 1
             if self.top_k > cfg.num_draft_tokens:
-                raise ValueError(f"the tree asks for top-{self.top_k} of a {cfg.num_draft_tokens}-token draft vocabulary")
+                raise DraftsmithError(f"the tree asks for top-{self.top_k} of a {cfg.num_draft_tokens}-token draft vocabulary")
             plist = buffers.parents.tolist()
             self.static_parents = plist
             self.static_choices = buffers.choices.tolist()

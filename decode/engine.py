@@ -1,7 +1,7 @@
 """The fused speculative decoding loop: propose -> verify in ONE pass -> accept -> compact.
 
-Every method (plain decoding, Medusa chains and trees, later draft models / EAGLE / lookahead)
-runs through ``generate``:
+Every method (plain decoding, Medusa, EAGLE-1/3 with static or EAGLE-2 dynamic trees, draft
+models, prompt lookup, lookahead) runs through ``generate``:
 
     prefill: one forward of the verifier's decoder over the prompt (DynamicCache)
              -> first token from the last position's logits (argmax or a sample) = first root
@@ -33,10 +33,10 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from draftsmith.decode import sampling
 from draftsmith.decode.cache import check_compactable, compact_cache
-from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams, VanillaProposer
+from draftsmith.decode.proposers import DraftTree, Proposer, VanillaProposer
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.errors import DraftsmithError
 
-ACCEPTANCE_KEYS = ("auto", "greedy", "rejection", "typical")
 # Attention implementations known to add a 4D float mask to the scores as given.
 TREE_MASK_ATTENTION = ("eager", "sdpa")
 
@@ -116,20 +116,6 @@ def _eos_set(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None) -
     return frozenset(int(t) for t in eos_token_id)
 
 
-def _resolve_acceptance(acceptance: str, temperature: float) -> str:
-    if acceptance not in ACCEPTANCE_KEYS:
-        raise ValueError(f"unknown acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE_KEYS)}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if acceptance == "auto":
-        return "greedy" if temperature == 0 else "rejection"
-    if acceptance == "greedy" and temperature != 0:
-        raise ValueError("acceptance='greedy' needs temperature=0 (use 'rejection' or 'auto' to sample)")
-    if acceptance in ("rejection", "typical") and temperature == 0:
-        raise ValueError(f"acceptance={acceptance!r} needs temperature > 0 (temperature=0 is greedy)")
-    return acceptance
-
-
 def check_architecture(model: PreTrainedModel) -> None:
     """Refuse, before any work and in one line naming the setting, a verifier the engine cannot
     decode exactly: logits post-processed after lm_head, or a KV cache that cannot drop the
@@ -192,14 +178,13 @@ def generate(
     if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "model", None), PreTrainedModel):
         model = model.model  # a models.verifier.Verifier
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be (1, T): batch size 1 only, got {tuple(input_ids.shape)}")
+        raise DraftsmithError(f"input_ids must be (1, T): batch size 1 only, got {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    rule_name = _resolve_acceptance(acceptance, temperature)
+        raise DraftsmithError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)  # validated
+    rule_name = sampling.resolve_rule(acceptance, params)
     rule = sampling.get_rule(rule_name)  # looked up per call, so a test can swap a rule in
-    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-    if rule_name == "rejection":  # validate top_k / top_p before any work
-        sampling.logits_to_probs(torch.zeros(1, 2), params.temperature, params.top_k, params.top_p)
     check_architecture(model)
     proposer = VanillaProposer(input_ids.device) if proposer is None else proposer
     stop = _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer)
@@ -228,7 +213,7 @@ def generate(
             if tree.is_chain:  # causal = the chain's tree mask: the model's own mask, any attention
                 mask, position_ids = None, None
             elif not tree_mask_ok:
-                raise ValueError(
+                raise DraftsmithError(
                     f"attn_implementation={model.config._attn_implementation!r} cannot take a tree mask; "
                     "load the verifier with attn_implementation='sdpa' or decode with a chain"
                 )
@@ -241,15 +226,7 @@ def generate(
             logits = lm_head(hidden)  # (n, V)
             t2 = time.perf_counter()
 
-            if rule_name == "greedy":
-                path, next_token = rule(tree.tokens, tree.parents, logits)
-            elif rule_name == "rejection":
-                probs = sampling.logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (n, V)
-                path, next_token = rule(tree.tokens, tree.parents, probs, tree.draft_probs, tree.sampled, generator)
-            else:  # typical (lossy)
-                path, next_token = rule(
-                    tree.tokens, tree.parents, logits, params.temperature, posterior_threshold, posterior_alpha
-                )
+            path, next_token = rule(tree, logits, params, generator)  # the acceptance rule
             compact_cache(cache, cache_len, path)
             cache_len += len(path)
             accepted = tree.tokens[path[1:]].tolist() if len(path) > 1 else []
@@ -276,7 +253,7 @@ def _feature_layers(proposer: Proposer, model: PreTrainedModel) -> list[int]:
     n = model.config.num_hidden_layers
     bad = [i for i in layers if not 0 <= i < n]
     if bad:
-        raise ValueError(f"{proposer.name} proposer asks for verifier layers {bad}; the verifier has {n} (0..{n - 1})")
+        raise DraftsmithError(f"{proposer.name} proposer asks for verifier layers {bad}; the verifier has {n} (0..{n - 1})")
     return layers
 
 
@@ -307,7 +284,7 @@ def _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer) 
     criteria = None
     if stop_strings:
         if tokenizer is None:
-            raise ValueError("stop_strings need the tokenizer (tokenizer=...)")
+            raise DraftsmithError("stop_strings need the tokenizer (tokenizer=...)")
         criteria = StopStringCriteria(tokenizer, list(stop_strings))
     return _StopChecker(
         eos=_eos_set(model, eos_token_id),

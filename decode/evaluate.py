@@ -21,14 +21,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.draft import load_draft_model
-from draftsmith.models.errors import DraftsmithError, choose
-from draftsmith.models.verifier import load_verifier
 from draftsmith.models.entry import launch
+from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
+from draftsmith.models.verifier import load_verifier
 
 
 def build_proposer(cfg, verifier):
@@ -40,7 +42,7 @@ def build_proposer(cfg, verifier):
         return build_decode_only(cfg, verifier, kind)
     if not cfg.drafter:
         raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir>")
-    drafter_kind, module, config, meta = load_drafter(
+    drafter_kind, module, _, meta = load_drafter(
         cfg.drafter, verifier_fingerprint=verifier.fingerprint, allow_mismatch=cfg.allow_fingerprint_mismatch)
     if drafter_kind != kind:
         raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter_kind!r} checkpoint; "
@@ -53,12 +55,7 @@ def build_proposer(cfg, verifier):
         raise DraftsmithError(f"decode={cfg.decode.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
                               f"a static tree such as decode=medusa-small")
     paths = [tuple(p) for p in cfg.decode.paths]
-    depth = max(len(p) for p in paths)
-    if depth > config.num_heads:
-        raise DraftsmithError(f"decode={cfg.decode.name} is {depth} deep but drafter={cfg.drafter} has "
-                              f"{config.num_heads} heads; pick a shallower decode=... tree")
-    proposer = make_proposer("medusa", heads=module, paths=paths, lm_head=verifier.lm_head)
-    return proposer, meta
+    return make_proposer("medusa", heads=module, paths=paths, lm_head=verifier.lm_head), meta
 
 
 DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter
@@ -176,12 +173,13 @@ def method_stats(outputs, latencies, max_depth: int) -> dict:
 def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    acceptance = cfg.method.get("acceptance", "auto")
+    sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = load_verifier(cfg.model)
     model, tokenizer = verifier.model, verifier.tokenizer
     proposer, drafter_meta = build_proposer(cfg, verifier)
-    acceptance = cfg.method.get("acceptance", "auto")
     lossy = acceptance == "typical"
     method = cfg.method.name + (" (LOSSY typical acceptance)" if lossy else "")
     prompts = load_prompts(cfg.data)

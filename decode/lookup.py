@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from draftsmith.decode.proposers import DraftTree, Proposer, SamplingParams
+from draftsmith.decode.proposers import DraftTree, Proposer
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.errors import DraftsmithError
 
 

@@ -33,20 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, verify_inputs
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the engine turns verifier logits into the target law (temperature 0 = greedy)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from draftsmith.models.errors import DraftsmithError
 
 
 @dataclass(eq=False)
@@ -148,9 +137,10 @@ class MedusaProposer(Proposer):
         buffers = TreeBuffers.from_paths(paths)
         depth = int(buffers.depths.max())
         if depth > num_heads:
-            raise ValueError(f"the tree is {depth} deep but the Medusa checkpoint has only {num_heads} heads")
+            raise DraftsmithError(f"the decode tree is {depth} deep but the Medusa drafter has {num_heads} heads: "
+                                  f"pick a shallower decode=... tree (e.g. decode=medusa-cpu)")
         if getattr(heads.config, "lm_head", "own") == "shared" and lm_head is None:
-            raise ValueError("these Medusa heads share the verifier's lm_head: pass lm_head=verifier.lm_head")
+            raise DraftsmithError("these Medusa heads share the verifier's lm_head: pass lm_head=verifier.lm_head")
         param = next(heads.parameters())
         device = param.device if device is None else device
         self.dtype = param.dtype
@@ -160,7 +150,7 @@ class MedusaProposer(Proposer):
         self.depth = depth
         self.topk = int(buffers.choices.max()) + 1 if buffers.size > 1 else 1
         if self.topk > heads.config.vocab_size:
-            raise ValueError(
+            raise DraftsmithError(
                 f"the tree asks for top-{self.topk} candidates of a {heads.config.vocab_size}-token vocabulary"
             )
         # Per drafted node: which head's top-k list (depth - 1) and which rank (choice) it takes.
@@ -210,10 +200,10 @@ def make_proposer(name: str, **kwargs) -> Proposer:
     draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed);
     prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device);
     lookahead: (lm_head, window, ngram, guess_set, pool_from_prompt, seed, device).
-    Unknown names raise ValueError listing the valid ones.
+    Unknown names raise a one-line DraftsmithError listing the valid ones.
     """
     try:
         module, cls = PROPOSERS[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
+        raise DraftsmithError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
     return getattr(importlib.import_module(module), cls)(**kwargs)

@@ -13,10 +13,40 @@ rejection: the emitted tokens have exactly the verifier's sampling law). typical
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from draftsmith.decode.tree import ancestor_mask, path_to
+from draftsmith.models.errors import DraftsmithError, choose
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the verifier's logits become the target law; validated once, here.
+
+    temperature 0 = greedy (the argmax rule); > 0 samples from ``logits_to_probs``. top_k 0 and
+    top_p 1 disable those (HF ``generate`` defaults top_k to 50; here it is off unless asked).
+    posterior_threshold / posterior_alpha are for Medusa's typical acceptance (LOSSY) only.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise DraftsmithError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise DraftsmithError(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DraftsmithError(f"top_p={self.top_p}: must be in (0, 1] (1 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 def logits_to_probs(
@@ -37,12 +67,8 @@ def logits_to_probs(
     and tokens tied in probability are kept or cut together, as top-k keeps its ties);
     renormalise. The engine applies this same transform to the target p and the draft q.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (use the greedy rule for 0), got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if SamplingParams(temperature, top_k, top_p).greedy:  # validates all three
+        raise DraftsmithError("temperature=0 is greedy decoding (greedy_walk); a sampling law needs temperature > 0")
     scores = logits.double() / temperature  # (..., V) float64 from here on
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -130,8 +156,6 @@ def typical_walk(
 
     tokens (n,) long, parents (n,) long, target_logits (n, V).
     """
-    if not temperature > 0:
-        raise ValueError(f"typical acceptance needs temperature > 0, got {temperature}")
     parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
     probs = torch.softmax(target_logits.double() / temperature, dim=-1)  # (n, V) float64
     entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)  # (n,)
@@ -293,19 +317,50 @@ def rejection_walk(
             return path, _sample(p, uniform[0])
 
 
+# The engine calls every rule the same way: rule(tree, logits, params, generator) -> (path,
+# next_token), with tree a decode.proposers.DraftTree (tokens, parents, draft_probs, sampled),
+# logits (n, V) in the verifier's dtype and params a SamplingParams. Each adapter below feeds
+# its pure walk what it needs (the walks are looked up at call time, so a test can swap one).
+
+
+def _greedy_rule(tree, logits, params, generator):
+    return greedy_walk(tree.tokens, tree.parents, logits)
+
+
+def _rejection_rule(tree, logits, params, generator):
+    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (n, V) float64
+    return rejection_walk(tree.tokens, tree.parents, probs, tree.draft_probs, tree.sampled, generator)
+
+
+def _typical_rule(tree, logits, params, generator):
+    return typical_walk(tree.tokens, tree.parents, logits, params.temperature, params.posterior_threshold,
+                        params.posterior_alpha)
+
+
 ACCEPTANCE_RULES: dict[str, Callable[..., tuple[list[int], int]]] = {
-    "greedy": greedy_walk,
-    "rejection": rejection_walk,
-    "typical": typical_walk,
+    "greedy": _greedy_rule,
+    "rejection": _rejection_rule,
+    "typical": _typical_rule,
 }
 LOSSY_RULES = {"typical"}
 
 
+def resolve_rule(acceptance: str, params: SamplingParams) -> str:
+    """The rule a decode runs: "auto" is greedy at temperature 0 and rejection sampling above;
+    a rule that cannot run with these settings is refused in one line."""
+    choose({"auto": None, **ACCEPTANCE_RULES}, acceptance, "acceptance")
+    if acceptance == "auto":
+        return "greedy" if params.greedy else "rejection"
+    if acceptance == "greedy" and not params.greedy:
+        raise DraftsmithError("acceptance=greedy needs temperature=0 (use rejection or auto to sample)")
+    if acceptance in ("rejection", "typical") and params.greedy:
+        raise DraftsmithError(f"acceptance={acceptance} needs temperature > 0 (temperature=0 is greedy)")
+    if acceptance == "typical" and (params.top_k or params.top_p < 1):
+        raise DraftsmithError(f"acceptance=typical (Medusa's, LOSSY) thresholds the untruncated law: it cannot honour "
+                              f"top_k={params.top_k} / top_p={params.top_p}; set top_k=0 top_p=1, or use rejection")
+    return acceptance
+
+
 def get_rule(name: str) -> Callable[..., tuple[list[int], int]]:
-    """The acceptance rule registered under ``name``; ValueError listing valid names otherwise."""
-    try:
-        return ACCEPTANCE_RULES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown acceptance rule {name!r}; valid: {', '.join(sorted(ACCEPTANCE_RULES))}"
-        ) from None
+    """The acceptance rule registered under ``name``; one line listing the valid names otherwise."""
+    return choose(ACCEPTANCE_RULES, name, "acceptance")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.models.errors import DraftsmithError
+
 
 def paths_to_parents(
     paths: Sequence[Sequence[int]],
@@ -37,23 +39,23 @@ def paths_to_parents(
     sorted by (depth, path), as Medusa sorts them, so parents come before children and
     siblings are in choice order; node 0 is the root (parent -1, choice -1, depth 0).
 
-    Raises ValueError naming the bad path when a path is empty, has a negative index, is
+    Raises a one-line DraftsmithError naming the bad path when a path is empty, has a negative index, is
     duplicated, or has a proper prefix that is not itself a path.
     """
     norm = [tuple(int(c) for c in p) for p in paths]
     seen: set[tuple[int, ...]] = set()
     for p in norm:
         if len(p) == 0:
-            raise ValueError("tree path () is empty: the root is implicit, list only drafted nodes")
+            raise DraftsmithError("tree path () is empty: the root is implicit, list only drafted nodes")
         if any(c < 0 for c in p):
-            raise ValueError(f"tree path {p} has a negative choice index")
+            raise DraftsmithError(f"tree path {p} has a negative choice index")
         if p in seen:
-            raise ValueError(f"tree path {p} is listed twice")
+            raise DraftsmithError(f"tree path {p} is listed twice")
         seen.add(p)
     for p in norm:
         for d in range(1, len(p)):
             if p[:d] not in seen:
-                raise ValueError(f"tree path {p} has no parent: its prefix {p[:d]} is not a path")
+                raise DraftsmithError(f"tree path {p} has no parent: its prefix {p[:d]} is not a path")
 
     ordered = sorted(norm, key=lambda p: (len(p), p))
     index = {p: i + 1 for i, p in enumerate(ordered)}  # path -> node index (root is 0)
@@ -101,11 +103,6 @@ def ancestor_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return mask
 
 
-def tree_depths(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """(n,) long: depth of each node (root 0) = number of its ancestors."""
-    return ancestor_mask(parents).sum(dim=-1) - 1
-
-
 def path_to(parents: torch.Tensor | Sequence[int], node: int) -> list[int]:
     """Node indices from the root (0) to ``node`` inclusive."""
     parents = _as_parents(parents).tolist()
@@ -115,27 +112,6 @@ def path_to(parents: torch.Tensor | Sequence[int], node: int) -> list[int]:
     while parents[path[-1]] != -1:
         path.append(parents[path[-1]])
     return path[::-1]
-
-
-def retrieve_indices(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """(num_leaves, max_depth + 1) long: each row the root -> leaf node path, padded with -1.
-
-    Medusa's ``retrieve_indices``: gathering per-node tensors with it gives one row per
-    candidate continuation. Leaves are in index order.
-    """
-    anc = ancestor_mask(parents)  # (n, n)
-    parents = _as_parents(parents)
-    n = parents.numel()
-    has_child = torch.zeros(n, dtype=torch.bool)
-    has_child[parents[1:].cpu()] = True
-    leaves = (~has_child).nonzero().flatten().tolist()
-    depths = anc.sum(dim=-1) - 1
-    width = int(depths.max()) + 1
-    out = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        nodes = anc[leaf].nonzero().flatten()  # ancestors are in index = topological order
-        out[row, : nodes.numel()] = nodes.cpu()
-    return out.to(parents.device)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -186,8 +162,8 @@ def verify_inputs(
     Returns:
       attention_mask (1, 1, n, kv_length) in ``dtype``: 0 where node i may attend (every
         cached column, itself, its ancestors), ``torch.finfo(dtype).min`` elsewhere.
-        kv_length defaults to cache_len + n (a DynamicCache); pass a StaticCache's
-        max_cache_len to mask its unused slots.
+        kv_length defaults to cache_len + n (the DynamicCache the engine uses); a larger
+        value masks the columns after the tree.
       position_ids (1, n) long: cache_len + depth(i).
       cache_position (n,) long: arange(cache_len, cache_len + n), the cache slots the tree
         is written to (transformers 5.x models no longer take it; kept for callers that do).
@@ -205,14 +181,13 @@ class TreeBuffers:
     """Precomputed tensors of a static tree, built once and reused at every decoding step.
 
     parents (n,), depths (n,), choices (n,) (top-k rank of each node's token among its
-    depth's candidates, -1 for the root), ancestors (n, n) bool, retrieve (leaves, depth+1).
+    depth's candidates, -1 for the root), ancestors (n, n) bool.
     """
 
     parents: torch.Tensor  # (n,) long
     depths: torch.Tensor  # (n,) long
     choices: torch.Tensor  # (n,) long
     ancestors: torch.Tensor  # (n, n) bool
-    retrieve: torch.Tensor  # (num_leaves, max_depth + 1) long
 
     @classmethod
     def from_parents(
@@ -229,7 +204,6 @@ class TreeBuffers:
             depths=anc.sum(dim=-1) - 1,
             choices=torch.tensor(choices, dtype=torch.long),
             ancestors=anc,
-            retrieve=retrieve_indices(parents_t),
         )
 
     @classmethod
@@ -237,11 +211,6 @@ class TreeBuffers:
         """Medusa-style static tree from top-k choice paths (see ``paths_to_parents``)."""
         parents, choices, _ = paths_to_parents(paths)
         return cls.from_parents(parents, choices)
-
-    @classmethod
-    def chain(cls, k: int) -> "TreeBuffers":
-        """A chain of k drafted tokens; each takes the top-1 candidate (choice 0)."""
-        return cls.from_parents(chain_parents(k), [-1] + [0] * k)
 
     @property
     def size(self) -> int:
@@ -255,7 +224,6 @@ class TreeBuffers:
             depths=self.depths.to(device),
             choices=self.choices.to(device),
             ancestors=self.ancestors.to(device),
-            retrieve=self.retrieve.to(device),
         )
 
     def verify_inputs(

@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
 # kind -> (config dataclass, module class); a module is built as cls(config).

@@ -26,6 +26,7 @@ from draftsmith.models.checkpoint import check_fingerprint, read_meta, write_ato
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.verifier import gathered
 
+
 def causal_lm(config, dtype: torch.dtype) -> PreTrainedModel:
     """A randomly initialised causal LM of config's family, built directly rather than with
     from_config, which under DeepSpeed ZeRO-3 would partition it at birth (before the copied

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, MODEL_MAPPING
+from transformers import MODEL_MAPPING, AutoConfig
 
 from draftsmith.models.errors import DraftsmithError, choose
 

@@ -20,7 +20,7 @@ def exit_on_user_error():
 
 
 def choose(table: dict, key: str, field: str):
-    """Look `key` up in `table`; unknown keys fail with the valid names (DESIGN 2.7)."""
+    """Look `key` up in `table`; unknown keys fail with the valid names."""
     if key not in table:
         raise DraftsmithError(f"{field}={key!r} is not known; valid: {', '.join(sorted(table))}")
     return table[key]

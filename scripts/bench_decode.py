@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import DynamicCache
 
 from draftsmith.decode import evaluate
-from draftsmith.models.verifier import load_verifier
 from draftsmith.models.entry import launch
+from draftsmith.models.verifier import load_verifier
 
 
 @torch.inference_mode()

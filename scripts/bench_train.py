@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 from omegaconf import DictConfig
 
-from draftsmith.models.errors import choose
 from draftsmith.models.entry import launch
+from draftsmith.models.errors import choose
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,11 +27,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from draftsmith.models.entry import launch
 from draftsmith.models.errors import choose
+from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.core.accel import process_state
-from draftsmith.models.entry import launch
-from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
 
 BACKENDS = {"transformers": "transformers", "vllm": "vllm"}
 PARTS_DIR = "parts"  # per-process records of a multi-process run, merged into records.jsonl at the end

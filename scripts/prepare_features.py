@@ -22,11 +22,11 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import DTYPES, load_verifier, resolve_layers
 from draftsmith.train.core.accel import process_state
-from draftsmith.models.entry import launch
-from draftsmith.models.sources import load_conversations
 from draftsmith.train.core.data import collate_batch, split_heldout, tokenize_conversations
 from draftsmith.train.core.features import MANIFEST, bytes_per_1k_tokens, shard_tensors
 

@@ -27,10 +27,10 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX
+from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.data import collate_batch
 from draftsmith.train.core.features import read_manifest
-from draftsmith.train.core.loop import Recipe, fit, frozen_verifier, held_out_totals, start, training_data
 from draftsmith.train.core.losses import acceptance_rate, chain_tau, divergence
 
 
@@ -105,7 +105,7 @@ def on_policy_batch(student, batch: dict, mcfg, pad_id: int, eos_id: int, genera
 
 def evaluate(student, verifier, loader, accelerator, mcfg) -> dict:
     """Held-out divergence, acceptance rate sum_x min(p, q), greedy agreement, chain tau."""
-    totals, _ = held_out_totals(accelerator, student, loader,
+    totals, _ = loop.held_out_totals(accelerator, student, loader,
                                 lambda batch: distill_loss(student, verifier, batch, mcfg))
     count = max(totals.get("count", 0.0), 1.0)
     alpha, greedy = totals.get("accept_sum", 0.0) / count, totals.get("agree_sum", 0.0) / count
@@ -123,14 +123,14 @@ def run(cfg: DictConfig) -> dict:
     if offline and float(mcfg.onpolicy.ratio) > 0:
         raise DraftsmithError("method.onpolicy.ratio > 0 needs the verifier online to score student samples; "
                               "drop data.features or set method.onpolicy.ratio=0")
-    accelerator = start(cfg)
+    accelerator = loop.start(cfg)
     if offline:  # the student is cut from (or sized after) the whole verifier: loaded, never run
         verifier, placement = load_verifier(cfg.model), "not used (offline teacher logits)"
     else:
-        frozen = frozen_verifier(cfg, accelerator, lm_head=False)
+        frozen = loop.frozen_verifier(cfg, accelerator, lm_head=False)
         verifier, placement = frozen.verifier, frozen.placement
     student = build_student(verifier.model, verifier.tokenizer, mcfg.student).to(accelerator.device)
-    data, eval_loader = training_data(cfg, accelerator, verifier.tokenizer)
+    data, eval_loader = loop.training_data(cfg, accelerator, verifier.tokenizer)
 
     # Fixed data, or with probability onpolicy.ratio per step the student's own sampled answers.
     generator = torch.Generator().manual_seed(cfg.seed)  # on-policy sampling seeds, advanced per step
@@ -170,7 +170,7 @@ def run(cfg: DictConfig) -> dict:
                 f"{m.get('eval/greedy_agreement', float('nan')):.3f}")
 
     verifier_params = sum(getattr(p, "ds_numel", p.numel()) for p in verifier.model.parameters())
-    return fit(cfg, accelerator, data, Recipe(
+    return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=student, param_groups=[{"params": [p for p in student.parameters() if p.requires_grad]}],
         loss_step=loss_step, prepare_batch=prepare_batch,
         evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg), save=save,

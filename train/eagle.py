@@ -33,10 +33,10 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import default_fusion_layers, resolve_layers, resolve_path
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts
+from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.features import read_manifest
 from draftsmith.train.core.losses import simulated_tau
-from draftsmith.train.core.loop import Recipe, fit, frozen_verifier, held_out_totals, save_drafter_dir, start, training_data
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -156,7 +156,7 @@ def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
 
 def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed, lm_head) -> dict:
     """Held-out loss, per unrolled step top-1 agreement with the verifier, simulated tau."""
-    totals, loss = held_out_totals(accelerator, drafter, loader, lambda batch: eagle_loss(
+    totals, loss = loop.held_out_totals(accelerator, drafter, loader, lambda batch: eagle_loss(
         drafter, verifier_inputs(verifier, batch, layers, embed), lm_head, mcfg, mcfg.eval_steps))
     metrics = {"eval/loss": loss}
     top1 = []
@@ -186,12 +186,12 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
 
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
-    accelerator = start(cfg)
-    frozen = frozen_verifier(cfg, accelerator, embedding=True)  # online, or only its lm_head and embedding
+    accelerator = loop.start(cfg)
+    frozen = loop.frozen_verifier(cfg, accelerator, embedding=True)  # online, or only its lm_head and embedding
     verifier, lm_head, embed = frozen.verifier, frozen.lm_head, frozen.embed
     hf_config = json.loads((Path(resolve_path(cfg.model)) / "config.json").read_text()) if frozen.offline \
         else verifier.config.to_dict()
-    data, eval_loader = training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
+    data, eval_loader = loop.training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
 
     # The model: one decoder layer of the verifier's family over fc(embedding, feature).
     stored = read_manifest(cfg.data.features).get("layers", []) if frozen.offline else None
@@ -209,20 +209,16 @@ def run(cfg: DictConfig) -> dict:
         with accelerator.autocast():
             loss, stats = eagle_loss(model, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
                                      global_counts(accelerator))
-        return loss, {f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")}
+        return loss, loop.loss_logs(stats)
 
-    def report(m: dict) -> str:
-        top1 = " ".join(f"s{s}={m.get(f'eval/step{s}_top1', float('nan')):.3f}" for s in range(mcfg.eval_steps))
-        return f"held-out top-1 {top1}, simulated tau {m.get('eval/simulated_tau', float('nan')):.2f}"
-
-    return fit(cfg, accelerator, data, Recipe(
+    return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=drafter, param_groups=[{"params": [p for p in drafter.parameters() if p.requires_grad]}],
         loss_step=loss_step,
         evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg, layers, embed, lm_head),
-        save=lambda model, m, name: save_drafter_dir(cfg, accelerator, model, "eagle", config, verifier, m, name),
-        best_key="eval/simulated_tau", report=report,
+        save=loop.drafter_saver(cfg, accelerator, "eagle", config, verifier), best_key="eval/simulated_tau",
+        report=lambda m: loop.top1_report(m, "step{}_top1", "s", mcfg.eval_steps),
         describe=f"{config.variant} drafter (fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
-                 f"verifier {verifier.name} [{verifier.fingerprint}] {frozen.placement}"))
+                 f"{frozen.describe()}"))
 
 
 if __name__ == "__main__":

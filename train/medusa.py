@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from draftsmith.models.entry import launch
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts, target_to_draft
+from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.losses import simulated_tau
-from draftsmith.train.core.loop import Recipe, fit, frozen_verifier, held_out_totals, save_drafter_dir, start, training_data
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ def verifier_features(verifier, batch) -> torch.Tensor:
 
 def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head, t2d=None) -> dict:
     """Held-out loss, per-head top-1 / top-5 accuracy and the simulated acceptance length."""
-    totals, loss = held_out_totals(accelerator, heads, loader, lambda batch: medusa_loss(
+    totals, loss = loop.held_out_totals(accelerator, heads, loader, lambda batch: medusa_loss(
         heads, verifier_features(verifier, batch), batch["labels"], lm_head, decay, num_heads, t2d=t2d))
     metrics = {"eval/loss": loss}
     top1 = []
@@ -103,10 +103,10 @@ def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int,
 
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
-    accelerator = start(cfg)
-    frozen = frozen_verifier(cfg, accelerator)  # online, or only its lm_head with offline features
+    accelerator = loop.start(cfg)
+    frozen = loop.frozen_verifier(cfg, accelerator)  # online, or only its lm_head with offline features
     verifier, lm_head = frozen.verifier, frozen.lm_head
-    data, eval_loader = training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
+    data, eval_loader = loop.training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
 
     # The model: K heads, optionally over the most frequent supervised tokens of the training split.
     config = MedusaConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
@@ -128,20 +128,15 @@ def run(cfg: DictConfig) -> dict:
         with accelerator.autocast():
             loss, stats = medusa_loss(model, hidden, batch["labels"], lm_head, mcfg.decay, config.num_heads,
                                       global_counts(accelerator), t2d)
-        return loss, {f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")}
+        return loss, loop.loss_logs(stats)
 
-    def report(m: dict) -> str:
-        top1 = " ".join(f"h{k}={m.get(f'eval/head{k}_top1', float('nan')):.3f}" for k in range(config.num_heads))
-        return f"held-out top-1 {top1}, simulated tau {m.get('eval/simulated_tau', float('nan')):.2f}"
-
-    return fit(cfg, accelerator, data, Recipe(
+    return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=heads, param_groups=[{"params": list(heads.parameters())}], loss_step=loss_step,
         evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg.decay, config.num_heads,
                                         lm_head, t2d),
-        save=lambda model, m, name: save_drafter_dir(cfg, accelerator, model, "medusa", config, verifier, m, name),
-        best_key="eval/simulated_tau", report=report,
-        describe=f"{config.num_heads} heads ({vocab_note}), verifier {verifier.name} [{verifier.fingerprint}] "
-                 f"{frozen.placement}"))
+        save=loop.drafter_saver(cfg, accelerator, "medusa", config, verifier), best_key="eval/simulated_tau",
+        report=lambda m: loop.top1_report(m, "head{}_top1", "h", config.num_heads),
+        describe=f"{config.num_heads} heads ({vocab_note}), {frozen.describe()}"))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ prompt + accepted path would have built (checked through the next forward's logi
 
 import pytest
 import torch
-from transformers import DynamicCache, MistralConfig, StaticCache
+from transformers import DynamicCache, MistralConfig
 
-from draftsmith.decode.cache import cache_length, check_compactable, compact_cache
+from draftsmith.decode.cache import check_compactable, compact_cache
 from draftsmith.decode.tree import verify_inputs
 from tests.tiny import tiny_llama
 
@@ -34,12 +34,12 @@ def test_compaction_matches_fresh_forward(keep):
         model(input_ids=prompt[None], cache=cache, use_cache=True)
         seq = prompt
         for _ in range(2):  # two tree steps: the second runs on an already compacted cache
-            cache_len = cache_length(cache)
+            cache_len = cache.get_seq_length()
             tokens = torch.randint(4, 128, (len(PARENTS),), generator=g)
             tree_logits = tree_step(model, cache, cache_len, tokens)
-            assert cache_length(cache) == cache_len + len(PARENTS)
+            assert cache.get_seq_length() == cache_len + len(PARENTS)
             compact_cache(cache, cache_len, torch.tensor(keep))
-            assert cache_length(cache) == cache_len + len(keep)
+            assert cache.get_seq_length() == cache_len + len(keep)
             assert all(layer.keys.shape[-2] == cache_len + len(keep) for layer in cache.layers)
             seq = torch.cat([seq, tokens[keep]])
             # the tree forward's row for the last kept node is already that prefix's logits
@@ -47,23 +47,6 @@ def test_compaction_matches_fresh_forward(keep):
         nxt = torch.tensor([17])
         cached = model(input_ids=nxt[None], cache=cache, use_cache=True).logits[0, -1]
         torch.testing.assert_close(cached, fresh_last_logits(model, torch.cat([seq, nxt])), atol=1e-10, rtol=0)
-
-
-def test_static_cache_compaction():
-    model = tiny_llama()
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(4, 128, (5,), generator=g)
-    tokens = torch.randint(4, 128, (len(PARENTS),), generator=g)
-    keep = [0, 2, 5]
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(input_ids=prompt[None], cache=cache, use_cache=True)
-        tree_step(model, cache, 5, tokens, kv_length=32)
-        compact_cache(cache, 5, keep)
-        assert cache_length(cache) == 5 + len(keep)
-        seq = torch.cat([prompt, tokens[keep], torch.tensor([9])])
-        cached = model(input_ids=seq[-1:][None], cache=cache, use_cache=True).logits[0, -1]
-        torch.testing.assert_close(cached, fresh_last_logits(model, seq), atol=1e-10, rtol=0)
 
 
 def test_unsupported_caches_raise_with_the_fix():

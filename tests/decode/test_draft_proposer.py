@@ -21,7 +21,15 @@ from draftsmith.decode.engine import generate
 from draftsmith.decode.sampling import logits_to_probs
 from draftsmith.models.errors import DraftsmithError
 from tests.decode.test_engine import (
-    LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference,
+    LAW_PROMPT,
+    RecordingRule,
+    V,
+    engine_counts,
+    exact_law,
+    law_model,
+    law_test,
+    prompt,
+    reference,
 )
 from tests.tiny import tiny_llama
 
@@ -310,7 +318,7 @@ def test_sampling_law_catches_a_broken_rule(monkeypatch):
     model, draft = law_model(scale), law_draft(10.0)
     law = exact_law(model, temperature, top_k, top_p)
     proposer = DraftModelProposer(draft, V, seed=3, **kwargs)
-    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", resample_from_p_walk)
+    monkeypatch.setattr(sampling, "rejection_walk", resample_from_p_walk)
     counts = engine_counts(model, proposer, 1_000, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)

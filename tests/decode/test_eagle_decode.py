@@ -18,10 +18,18 @@ from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.eagle import EagleConfig, EagleDrafter
 from draftsmith.models.vocab import draft_vocab
-from tests.decode.test_engine import (LAW_PROMPT, V, RecordingRule, exact_law, law_model, law_test,
-                                      residual_from_p_walk, tree_paths)
-from tests.tiny import tiny_llama
 from draftsmith.train.eagle import eagle_loss
+from tests.decode.test_engine import (
+    LAW_PROMPT,
+    RecordingRule,
+    V,
+    exact_law,
+    law_model,
+    law_test,
+    residual_from_p_walk,
+    tree_paths,
+)
+from tests.tiny import tiny_llama
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -294,7 +302,7 @@ def test_sampling_law_catches_a_broken_rule_on_a_dynamic_tree(monkeypatch):
     tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES["dynamic-T1"]
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
-    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", residual_from_p_walk)
+    monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
     counts = law_counts(model, law_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)

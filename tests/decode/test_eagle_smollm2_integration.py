@@ -10,8 +10,8 @@ from draftsmith.decode.evaluate import compare_greedy, prompt_ids
 from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.verifier import load_verifier
-from tests.hub import compose_config
 from draftsmith.train.eagle import run
+from tests.hub import compose_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

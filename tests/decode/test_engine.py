@@ -189,7 +189,7 @@ def test_unknown_keys_list_the_valid_ones(greedy_setup):
     with pytest.raises(ValueError, match="batch size 1"):
         generate(model, torch.zeros(2, 3, dtype=torch.long))
     heads = MedusaHeads(MedusaConfig(32, 128, num_heads=2))
-    with pytest.raises(ValueError, match="only 2 heads"):
+    with pytest.raises(ValueError, match="Medusa drafter has 2 heads"):
         make_proposer("medusa", heads=heads, paths=tree_paths("chain4"))
 
 
@@ -346,7 +346,7 @@ def test_sampling_law_catches_a_broken_rule(monkeypatch, broken, samples):
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
     proposer = make_proposer("medusa", heads=random_heads(model), paths=tree_paths(tree))
-    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", broken)
+    monkeypatch.setattr(sampling, "rejection_walk", broken)
     counts = engine_counts(model, proposer, samples, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)

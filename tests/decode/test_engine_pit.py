@@ -29,7 +29,7 @@ from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
 from tests.decode.test_draft_proposer import noisy_copy
 from tests.decode.test_eagle_decode import fitted_drafter
-from tests.decode.test_engine import RecordingRule, fitted_heads
+from tests.decode.test_engine import fitted_heads
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -75,9 +75,9 @@ class TreeRecorder:
     def __init__(self, rule):
         self.rule, self.steps = rule, []
 
-    def __call__(self, tokens, parents, *args):
-        path, nxt = self.rule(tokens, parents, *args)
-        self.steps.append((tokens.tolist(), parents.tolist(), path))
+    def __call__(self, tree, *args):
+        path, nxt = self.rule(tree, *args)
+        self.steps.append((tree.tokens.tolist(), tree.parents.tolist(), path))
         return path, nxt
 
 

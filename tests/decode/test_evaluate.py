@@ -55,13 +55,15 @@ def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, draft
 
 def test_sampled_run_records_every_sample_and_typical_is_labelled_lossy(tiny_model_dir, drafter, tmp_path):
     out = tmp_path / "eval"
-    report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7", "top_p=0.9",
+    with pytest.raises(DraftsmithError, match="typical.*cannot honour top_k=0 / top_p=0.9"):
+        run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7", "top_p=0.9", "method.acceptance=typical"))
+    report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7",
                       "num_samples=2", "hf.enabled=false", "method.acceptance=typical"))
     assert report["lossy"] and "medusa (LOSSY typical acceptance)" in report["methods"]
     assert "LOSSY" in (out / "results.md").read_text()
     lines = [json.loads(l) for l in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * 2 * 2 and {l["sample"] for l in lines} == {0, 1}
-    again = run(_cfg(tiny_model_dir, tmp_path / "again", f"drafter={drafter}", "temperature=0.7", "top_p=0.9",
+    again = run(_cfg(tiny_model_dir, tmp_path / "again", f"drafter={drafter}", "temperature=0.7",
                      "num_samples=2", "hf.enabled=false", "method.acceptance=typical"))
     again_lines = [json.loads(l) for l in (tmp_path / "again" / "outputs.jsonl").read_text().splitlines()]
     assert [l["tokens"] for l in lines] == [l["tokens"] for l in again_lines]  # seed makes it reproducible

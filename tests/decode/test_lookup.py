@@ -18,7 +18,13 @@ from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.decode.test_draft_proposer import tv_bound
 from tests.decode.test_engine import (
-    RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference,
+    RecordingRule,
+    engine_counts,
+    exact_law,
+    law_model,
+    law_test,
+    prompt,
+    reference,
 )
 from tests.tiny import tiny_llama
 
@@ -104,15 +110,15 @@ def test_jacobi_update_is_the_verifiers_argmax_per_column(verifier):
 
 
 class TreeRecorder(RecordingRule):
-    """Also records each verified tree's parents (the rule's second argument)."""
+    """Also records each verified tree's parents."""
 
     def __init__(self, rule):
         super().__init__(rule)
         self.parents = []
 
-    def __call__(self, tokens, parents, *args):
-        self.parents.append(parents)
-        return super().__call__(tokens, parents, *args)
+    def __call__(self, tree, *args):
+        self.parents.append(tree.parents)
+        return super().__call__(tree, *args)
 
 
 GREEDY_CASES = {

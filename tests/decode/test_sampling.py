@@ -168,11 +168,24 @@ def test_typical_walk_docstring_and_registry():
     assert typical_walk.__doc__.startswith("LOSSY:")
     assert LOSSY_RULES == {"typical"}
     assert set(ACCEPTANCE_RULES) == {"greedy", "rejection", "typical"}
-    assert get_rule("greedy") is greedy_walk and get_rule("rejection") is rejection_walk
+    assert get_rule("greedy") is sampling._greedy_rule and get_rule("rejection") is sampling._rejection_rule
     with pytest.raises(ValueError, match="greedy, rejection, typical"):
         get_rule("medusa")
-    with pytest.raises(ValueError):
-        typical_walk(torch.tensor([0]), torch.tensor([-1]), torch.zeros(1, 4), temperature=0.0)
+
+
+def test_sampling_settings_are_validated_once_and_typical_refuses_truncation():
+    from draftsmith.decode.sampling import SamplingParams, resolve_rule
+    from draftsmith.models.errors import DraftsmithError
+
+    for bad in [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)]:
+        with pytest.raises(DraftsmithError):
+            SamplingParams(**bad)
+    assert resolve_rule("auto", SamplingParams(0.0)) == "greedy"
+    assert resolve_rule("auto", SamplingParams(0.7, top_p=0.9)) == "rejection"
+    with pytest.raises(DraftsmithError, match="typical.*cannot honour top_k=5"):
+        resolve_rule("typical", SamplingParams(0.7, top_k=5))
+    with pytest.raises(DraftsmithError, match="needs temperature > 0"):
+        resolve_rule("typical", SamplingParams(0.0))
 
 
 # --- rejection_walk: hand edge cases -----------------------------------------------------

@@ -4,19 +4,17 @@ import re
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
-from tests.tiny import tiny_llama
 from draftsmith.decode.tree import (
     TreeBuffers,
     ancestor_mask,
     chain_parents,
     path_to,
     paths_to_parents,
-    retrieve_indices,
-    tree_depths,
     verify_inputs,
 )
+from tests.tiny import tiny_llama
 
 # A small Medusa tree, listed out of order on purpose. Sorted by (depth, path) the nodes are
 # 1:(0,) 2:(1,) 3:(0,0) 4:(0,1) 5:(1,0) 6:(0,0,0).
@@ -58,8 +56,8 @@ def test_paths_to_parents_rejects_bad_paths(paths, bad):
 def test_chain_parents_and_depths():
     assert chain_parents(0) == [-1]
     assert chain_parents(3) == [-1, 0, 1, 2]
-    assert tree_depths(torch.tensor(chain_parents(3))).tolist() == [0, 1, 2, 3]
-    assert tree_depths(torch.tensor(MEDUSA_PARENTS)).tolist() == MEDUSA_DEPTHS
+    assert TreeBuffers.from_parents(chain_parents(3)).depths.tolist() == [0, 1, 2, 3]
+    assert TreeBuffers.from_parents(MEDUSA_PARENTS).depths.tolist() == MEDUSA_DEPTHS
 
 
 @pytest.mark.parametrize("bad", [[0, 0], [-1, 1], [-1, 0, 2], [-1, -1]])
@@ -76,21 +74,13 @@ def test_ancestor_mask_matches_path_to(parents):
     parents_t = torch.tensor(parents)
     anc = ancestor_mask(parents_t)
     assert anc.shape == (len(parents), len(parents)) and anc.dtype == torch.bool
-    depths = tree_depths(parents_t)
+    depths = TreeBuffers.from_parents(parents).depths
     for i in range(len(parents)):
         path = path_to(parents_t, i)
         assert path[0] == 0 and path[-1] == i
         assert all(parents[b] == a for a, b in zip(path, path[1:]))
         assert anc[i].nonzero().flatten().tolist() == path
         assert int(depths[i]) == len(path) - 1
-
-
-def test_retrieve_indices():
-    got = retrieve_indices(torch.tensor(MEDUSA_PARENTS))
-    # leaves in index order: 4 (0,1), 5 (1,0), 6 (0,0,0)
-    assert got.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    assert retrieve_indices(torch.tensor(chain_parents(2))).tolist() == [[0, 1, 2]]
-    assert retrieve_indices(torch.tensor([-1])).tolist() == [[0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -118,18 +108,15 @@ def test_verify_inputs_static_kv_length_and_buffers():
     assert buffers.choices.tolist() == MEDUSA_CHOICES
     assert buffers.depths.tolist() == MEDUSA_DEPTHS
     assert torch.equal(buffers.ancestors, ancestor_mask(torch.tensor(MEDUSA_PARENTS)))
-    assert torch.equal(buffers.retrieve, retrieve_indices(torch.tensor(MEDUSA_PARENTS)))
     for got, want in zip(
         buffers.verify_inputs(3, torch.float32), verify_inputs(buffers.parents, 3, torch.float32)
     ):
         assert torch.equal(got, want)
     mask, _, _ = buffers.verify_inputs(3, torch.float32, kv_length=16)
     assert mask.shape == (1, 1, 7, 16)
-    assert (mask[0, 0, :, 10:] == torch.finfo(torch.float32).min).all()  # unused static slots
+    assert (mask[0, 0, :, 10:] == torch.finfo(torch.float32).min).all()  # columns after the tree
     with pytest.raises(ValueError):
         buffers.verify_inputs(3, torch.float32, kv_length=9)
-    chain = TreeBuffers.chain(3)
-    assert chain.parents.tolist() == [-1, 0, 1, 2] and chain.choices.tolist() == [-1, 0, 0, 0]
     anon = TreeBuffers.from_parents(TREE_PARENTS)
     assert anon.choices.tolist() == [-1] * 7 and anon.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
 
@@ -175,26 +162,4 @@ def test_tree_forward_matches_paths_alone_dynamic_cache(attn_implementation):
 
     want = path_logits_alone(model, prefix, tokens)
     torch.testing.assert_close(tree_logits, want, atol=1e-10, rtol=0)
-
-
-@pytest.mark.parametrize("attn_implementation, atol", [("sdpa", 1e-10), ("eager", 1e-6)])
-@torch.no_grad()
-def test_tree_forward_static_cache_with_kv_length(attn_implementation, atol):
-    """A StaticCache's keys are max_cache_len long: the mask must be that wide.
-
-    eager computes its softmax in float32 even for an fp64 model, so summing over 32 instead of
-    12 columns changes rounding at ~1e-8; sdpa stays in fp64 and is exact.
-    """
-    model = tiny_llama_fp64(attn_implementation)
-    g = torch.Generator().manual_seed(2)
-    prefix = torch.randint(0, 64, (5,), generator=g)
-    tokens = torch.randint(0, 64, (len(TREE_PARENTS),), generator=g)
-
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    model(input_ids=prefix[None], cache=cache, use_cache=True)
-    buffers = TreeBuffers.from_parents(TREE_PARENTS)
-    mask, position_ids, _ = buffers.verify_inputs(5, torch.float64, kv_length=32)
-    tree_logits = tree_forward(model, tokens, mask, position_ids, cache)
-    want = path_logits_alone(model, prefix, tokens)
-    torch.testing.assert_close(tree_logits, want, atol=atol, rtol=0)
 

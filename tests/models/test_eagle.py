@@ -10,10 +10,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from draftsmith.models.checkpoint import load_drafter, save_drafter
 from draftsmith.models.eagle import EagleConfig, EagleDrafter
-from draftsmith.models.vocab import draft_vocab
 from draftsmith.models.errors import DraftsmithError
-from tests.tiny import tiny_llama
+from draftsmith.models.vocab import draft_vocab
 from draftsmith.train.eagle import eagle_loss, unroll, unroll_mask
+from tests.tiny import tiny_llama
 
 H, V = 32, 128
 

@@ -3,9 +3,9 @@ import torch.nn.functional as F
 
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.vocab import draft_vocab
-from tests.tiny import tiny_llama
 from draftsmith.train.core.losses import simulated_tau
 from draftsmith.train.medusa import head_targets, medusa_loss
+from tests.tiny import tiny_llama
 
 
 def _heads(model, mode="own", k=3):

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.models.verifier import Verifier
-from tests.tiny import tiny_llama
 from draftsmith.train.core.accel import full_copy, shard_fsdp
+from tests.tiny import tiny_llama
 
 
 def main(out_path: str, tied: bool) -> None:

@@ -303,7 +303,7 @@ def test_chitchat_conversations(chitchat):
 
 
 def check_prompt(prompt):
-    assert set(prompt) == {"id", "category", "messages", "next_turns"}
+    assert set(prompt) == {"id", "category", "messages"}
     assert isinstance(prompt["id"], str) and isinstance(prompt["category"], str)
     assert prompt["messages"][-1]["role"] == "user" and prompt["messages"][-1]["content"].strip()
     assert all(m["role"] in ("system", "user") for m in prompt["messages"])
@@ -314,7 +314,7 @@ def test_prompt_loaders_counts_and_shape():
     assert len(mtbench) == 80 and len({p["id"] for p in mtbench}) == 80
     assert {p["category"] for p in mtbench} == {"writing", "roleplay", "reasoning", "math", "coding",
                                                 "extraction", "stem", "humanities"}
-    assert all(len(p["messages"]) == 1 and len(p["next_turns"]) == 1 for p in mtbench)
+    assert all(len(p["messages"]) == 1 for p in mtbench)
     humaneval = load_prompts({"source": "humaneval", "name": "humaneval"})
     assert len(humaneval) == 164 and humaneval[0]["id"] == "HumanEval/0"
     assert "def has_close_elements" in humaneval[0]["messages"][0]["content"]

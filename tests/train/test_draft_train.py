@@ -6,10 +6,10 @@ import pytest
 
 from draftsmith.models.draft import load_draft_model
 from draftsmith.models.errors import DraftsmithError
+from draftsmith.train.draft import run
 from scripts.prepare_features import run as prepare
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from draftsmith.train.draft import run
 
 
 def _cfg(tiny_model_dir, out, *extra):

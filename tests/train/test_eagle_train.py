@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
+from draftsmith.train.eagle import run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from draftsmith.train.eagle import run
 
 
 def _cfg(tiny_model_dir, out, method, *extra):

@@ -9,11 +9,12 @@ from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import load_verifier
+from draftsmith.train.core.features import FeatureDataset, collate_features, read_manifest
+from draftsmith.train.medusa import medusa_loss
+from draftsmith.train.medusa import run as train
 from scripts.prepare_features import run as prepare
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from draftsmith.train.core.features import FeatureDataset, collate_features, read_manifest
-from draftsmith.train.medusa import medusa_loss, run as train
 
 
 @pytest.fixture()

@@ -4,9 +4,9 @@ import pytest
 
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
+from draftsmith.train.medusa import run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from draftsmith.train.medusa import run
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -56,8 +56,8 @@ def test_draft_vocabulary_is_the_most_frequent_training_targets(tiny_model_dir, 
     import torch
 
     from draftsmith.models.sources import load_conversations
-    from draftsmith.train.core.data import split_heldout, tokenize_conversations
     from draftsmith.models.verifier import load_verifier
+    from draftsmith.train.core.data import split_heldout, tokenize_conversations
 
     cfg = _cfg(tiny_model_dir, tmp_path / "run", "method.draft_vocab_size=20", "method.lm_head=shared")
     summary = run(cfg)

@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from draftsmith.models.errors import DraftsmithError
-from tests.tiny import tiny_llama, tiny_tokenizer
 from draftsmith.models.sources import DataError, load_conversations
 from draftsmith.train.core.data import check_data_verifier, tokenize_conversations
+from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = str(ROOT / "conf")

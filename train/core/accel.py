@@ -22,8 +22,14 @@ import os
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
-from transformers import get_cosine_schedule_with_warmup, get_constant_schedule_with_warmup
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    InitProcessGroupKwargs,
+    parse_flag_from_env,
+    set_seed,
+)
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from draftsmith.models.errors import DraftsmithError, choose
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from draftsmith.models.sources import MANIFEST_FILE, DataError, cfg_value, render
 from draftsmith.models.vocab import IGNORE_INDEX
 
+
 def split_heldout(ds: datasets.Dataset, data_cfg) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, eval): `data.eval_size` conversations drawn with `data.seed`, the rest train.
 

@@ -31,11 +31,27 @@ from tqdm.auto import tqdm
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import load_verifier
-from draftsmith.train.core.accel import full_copy, make_accelerator, make_optimizer, make_scheduler, place_frozen, zero_stage
-from draftsmith.train.core.checkpoint import (claim_output_dir, latest_checkpoint, load_training_state,
-                                              save_training_state)
-from draftsmith.train.core.data import (check_data_verifier, make_dataloader, padding_fraction, split_heldout,
-                                        tokenize_conversations)
+from draftsmith.train.core.accel import (
+    full_copy,
+    make_accelerator,
+    make_optimizer,
+    make_scheduler,
+    place_frozen,
+    zero_stage,
+)
+from draftsmith.train.core.checkpoint import (
+    claim_output_dir,
+    latest_checkpoint,
+    load_training_state,
+    save_training_state,
+)
+from draftsmith.train.core.data import (
+    check_data_verifier,
+    make_dataloader,
+    padding_fraction,
+    split_heldout,
+    tokenize_conversations,
+)
 from draftsmith.train.core.features import FeatureDataset, make_feature_dataloader, offline_verifier, read_manifest
 from draftsmith.train.core.logging import init_trackers, trackers
 
@@ -142,6 +158,23 @@ def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save
     return metrics, best
 
 
+def loss_logs(stats: dict) -> dict:
+    """The per-part losses of a loss step's stats, as train/ logs."""
+    return {f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")}
+
+
+def top1_report(metrics: dict, key: str, tag: str, n: int) -> str:
+    """'held-out top-1 h0=.. h1=.., simulated tau ..' from eval/<key.format(i)> for i < n."""
+    nan = float("nan")
+    top1 = " ".join(f"{tag}{i}={metrics.get('eval/' + key.format(i), nan):.3f}" for i in range(n))
+    return f"held-out top-1 {top1}, simulated tau {metrics.get('eval/simulated_tau', nan):.2f}"
+
+
+def drafter_saver(cfg, accelerator, kind: str, config, verifier):
+    """A Recipe.save for drafter checkpoints of `kind` (see save_drafter_dir)."""
+    return lambda model, metrics, name: save_drafter_dir(cfg, accelerator, model, kind, config, verifier, metrics, name)
+
+
 def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metrics: dict, name: str) -> str:
     """output_dir/<name> (final, best) as a drafter checkpoint of `kind`, from every process:
     ZeRO-3 gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that
@@ -178,6 +211,9 @@ class Frozen:
     @property
     def offline(self) -> bool:
         return not hasattr(self.verifier, "model")
+
+    def describe(self) -> str:
+        return f"verifier {self.verifier.name} [{self.verifier.fingerprint}] {self.placement}"
 
 
 def frozen_verifier(cfg, accelerator, lm_head: bool = True, embedding: bool = False) -> Frozen:
