@@ -7,10 +7,12 @@ what a plain left-to-right forward over prompt + accepted tokens would have prod
 keys were computed at position cache_len + depth, which is the accepted token's real position).
 
 transformers 5.x keeps one layer object per model layer in ``cache.layers``; a layer's
-``keys``/``values`` are (B, H_kv, S, D). ``DynamicLayer.update`` concatenates, so its tensors
-are rebound (never written in place) on the next forward and a sliced view here is safe. Note that 5.x's
-``crop`` takes a NEGATIVE count of tokens to remove (a positive value raises), which is why it
-is not used here.
+``keys``/``values`` are (B, H_kv, S, D). ``DynamicLayer.update`` concatenates: every forward
+copies the whole cache of every layer. ``BufferedLayer`` (``new_cache``, what the engine and
+the batched generators use) keeps the same tensors in a buffer grown SLACK slots at a time, writes new
+tokens in place and hands attention views of the filled part: a step's cache write costs its
+new tokens, not the cache length. Compaction writes the kept nodes into place and shortens the layer with
+``crop`` (transformers 5.x's ``crop`` takes a NEGATIVE count of tokens to remove).
 
 Only full-attention layers are supported. Sliding-window layers keep a rolling window and a
 ``cumulative_length`` that no longer maps to slots once the window is full; quantized layers
@@ -21,11 +23,98 @@ state that cannot drop tree nodes at all. Those raise instead of silently corrup
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicCache, DynamicLayer
+
+from draftsmith.models.attention import BUFFER_ATTR
+
+
+SLACK = 128  # free slots a BufferedLayer keeps past its tokens: it grows (one copy) every SLACK tokens
+
+
+class BufferedLayer(DynamicLayer):
+    """A full-attention cache layer over a preallocated (B, H_kv, capacity, D) buffer.
+
+    ``update`` writes the new keys/values at the end of the filled part (growing the buffer by
+    SLACK slots when full) and returns views ``[:, :, :length]``: no per-step copy of the cache.
+    The buffer is zero-initialised and each view carries it as ``cache_buffer``, so attention
+    may run over all of it with the slots past ``length`` masked (models/attention.py ``grouped``).
+    ``crop(-n)`` drops the last n tokens, ``batch_select_indices`` keeps some rows and ``set``
+    replaces the content (a continuous batch rebuilt by rows). Otherwise it is a DynamicLayer.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self._keys = key_states.new_zeros((*key_states.shape[:2], SLACK, key_states.shape[-1]))  # (B, H, cap, D)
+        self._values = value_states.new_zeros((*value_states.shape[:2], SLACK, value_states.shape[-1]))
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._keys[:, :, : self.length]  # (B, H, length, D)
+        self.values = self._values[:, :, : self.length]
+        setattr(self.keys, BUFFER_ATTR, self._keys)  # attention may run over the whole buffer
+        setattr(self.values, BUFFER_ATTR, self._values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:  # grow: one copy per SLACK tokens
+            capacity = end + SLACK
+            for name in ("_keys", "_values"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
+                new[:, :, : self.length] = old[:, :, : self.length]
+                setattr(self, name, new)
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if self.is_initialized:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the whole content by keys / values (B, H, L, D) (a batch rebuilt by rows)."""
+        length, capacity = keys.shape[-2], keys.shape[-2] + SLACK
+        self._keys = keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1]))
+        self._values = values.new_zeros((*values.shape[:2], capacity, values.shape[-1]))
+        self._keys[:, :, :length], self._values[:, :, :length] = keys, values
+        self.length, self.is_initialized = length, True
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._views()
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+
+
+def new_cache(config) -> Cache:
+    """The cache the engine and the batched generators decode on: one BufferedLayer per layer
+    when every layer is full attention; otherwise transformers' own DynamicCache for that
+    config (which ``check_compactable`` then refuses, naming the setting)."""
+    cache = DynamicCache(config=config)
+    if all(type(layer) is DynamicLayer for layer in cache.layers):
+        return Cache(layers=[BufferedLayer() for _ in cache.layers])
+    return cache
+
 
 # Exact layer classes whose per-token keys/values can be compacted by index (subclasses such as
-# DynamicSlidingWindowLayer or QuantizedLayer inherit from these but store tokens differently).
-_DYNAMIC = (DynamicLayer,)
+# DynamicSlidingWindowLayer or QuantizedLayer inherit from DynamicLayer but store tokens differently).
+_DYNAMIC = (DynamicLayer, BufferedLayer)
 
 
 def check_compactable(cache: Cache) -> None:
@@ -84,5 +173,4 @@ def compact_cache(cache: Cache, cache_len: int, keep: torch.Tensor | Sequence[in
             # Advanced indexing copies first, so overlapping source/target slots are safe.
             keys[:, :, cache_len:new_len] = keys.index_select(2, src)
             values[:, :, cache_len:new_len] = values.index_select(2, src)
-        layer.keys = keys[:, :, :new_len]
-        layer.values = values[:, :, :new_len]
+        layer.crop(new_len - total)  # drop the rest (a no-op when nothing is left over)

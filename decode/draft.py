@@ -2,7 +2,7 @@
 
 The draft is any HF causal LM over the verifier's vocabulary (e.g. the verifier truncated to
 its first layers, or a smaller model of the same family). It keeps its own KV cache
-(transformers ``DynamicCache``) in step with the emitted text:
+(``decode.cache.new_cache``, a transformers Cache) in step with the emitted text:
 
     prefill(prompt)       a fresh, empty draft cache
     propose(root, ids)    feed the tokens the draft has not seen yet (the prompt and the root
@@ -36,17 +36,18 @@ verification, and the rules are exact for any tree so drafted.
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
 from draftsmith.decode import sampling
-from draftsmith.decode.cache import check_compactable, compact_cache
+from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.decode.tree import additive_mask, ancestor_mask
 from draftsmith.models.errors import DraftsmithError, choose
 
 LENGTH_SCHEDULES = {"fixed": "fixed", "heuristic": "heuristic"}
-TREE_MASK_ATTENTION = ("eager", "sdpa")
+TREE_MASK_ATTENTION = ("eager", "sdpa", "grouped")
 
 
 def sample_without_replacement(
@@ -144,7 +145,7 @@ class DraftModelProposer(Proposer):
         self.confidence = float(confidence)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampling: SamplingParams | None = None
-        self.cache: DynamicCache | None = None
+        self.cache: Cache | None = None
         self.cached = 0  # tokens in the draft cache that are committed text (ids[:cached])
         self.fed = 0  # tree nodes 1..fed of the last proposal sit in the cache after them
 
@@ -156,7 +157,7 @@ class DraftModelProposer(Proposer):
         """A fresh draft cache; the prompt is fed with the first root in the first ``propose``
         (one draft forward fewer than a separate prefill)."""
         self.sampling = sampling
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         check_compactable(self.cache)
         self.cached, self.fed = 0, 0
 

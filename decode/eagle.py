@@ -1,7 +1,7 @@
 """EAGLE proposer: autoregressive drafting over features with the drafter's own KV cache.
 
-The drafter (models/eagle.py) has one decoder layer and its own DynamicCache. Drafter cache
-slot j holds the input pair (x_{j+1}, f_j): the token at position j+1 and the verifier's
+The drafter (models/eagle.py) has one decoder layer and its own KV cache (decode.cache.new_cache).
+Drafter cache slot j holds the input pair (x_{j+1}, f_j): the token at position j+1 and the verifier's
 feature at position j (EAGLE-1: the final hidden state; EAGLE-3: the fused low/mid/high layer
 states). Only pairs whose feature came from the verifier are kept between steps ("committed");
 drafted nodes are appended while a tree is built and cropped afterwards.
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from draftsmith.decode.cache import new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
@@ -101,7 +102,7 @@ class EagleProposer(Proposer):
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams,
                 layer_hidden: torch.Tensor | None = None) -> None:
         """prompt_ids (T,), hidden (T, H) [, layer_hidden (T, L*H)]: every prompt pair is pending."""
-        self.cache = self.drafter.new_cache()
+        self.cache = new_cache(self.drafter.layer_config)
         self.committed = 0  # drafter cache slots holding verifier features
         self.pending_tokens = prompt_ids[1:].tolist()  # x_1 .. x_{T-1}; the root completes them
         self.pending_feats = self._features(hidden, layer_hidden)  # (T, H)

@@ -3,7 +3,7 @@
 Every method (plain decoding, Medusa, EAGLE-1/3 with static or EAGLE-2 dynamic trees, draft
 models, prompt lookup, lookahead) runs through ``generate``:
 
-    prefill: one forward of the verifier's decoder over the prompt (DynamicCache)
+    prefill: one forward of the verifier's decoder over the prompt (decode.cache.new_cache)
              -> first token from the last position's logits (argmax or a sample) = first root
     step:    tree = proposer.propose(root, hidden before the root, ids)
              ONE decoder forward over tree.tokens with the tree mask and depth positions on
@@ -28,17 +28,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from draftsmith.decode import sampling
-from draftsmith.decode.cache import check_compactable, compact_cache
+from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer, VanillaProposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.errors import DraftsmithError
 
 # Attention implementations known to add a 4D float mask to the scores as given.
-TREE_MASK_ATTENTION = ("eager", "sdpa")
+TREE_MASK_ATTENTION = ("eager", "sdpa", "grouped")
 
 
 @dataclass
@@ -129,7 +129,7 @@ def check_architecture(model: PreTrainedModel) -> None:
             f"config.logit_scale={scale}); the engine's lm_head(hidden) would differ from model(...).logits"
         )
     try:
-        check_compactable(DynamicCache(config=model.config))
+        check_compactable(new_cache(model.config))
     except TypeError as e:
         raise DraftsmithError(f"{type(model).__name__} (config.model_type={cfg.model_type!r}): {e}") from None
 
@@ -154,7 +154,7 @@ def generate(
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding.
 
     Batch size 1 only. ``model`` is the HF causal LM (``verifier.model``); it is run through
-    its own decoder (``model.get_decoder()``) and output embeddings on a ``DynamicCache``.
+    its own decoder (``model.get_decoder()``) and output embeddings on ``decode.cache.new_cache``.
 
     Args:
       input_ids: (1, T) prompt.
@@ -194,7 +194,7 @@ def generate(
 
     with torch.inference_mode():
         t_start = time.perf_counter()
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         hidden, extra = _decoder_forward(decoder, layers, input_ids=input_ids, cache=cache, use_cache=True)  # (T, H)
         first = _first_token(lm_head(hidden[-1]), rule_name, params, generator)
         proposer.prefill(input_ids[0], hidden, params, **extra)

@@ -22,9 +22,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from draftsmith.models import attention
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import package_dir
 
+# Attention implementations the decoder can run a verifier with (all take 4D tree masks).
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", attention.NAME: attention.NAME}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 
@@ -279,8 +282,8 @@ def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
         raise _unavailable(model_cfg, f"no usable config.json: {str(e).splitlines()[0]}") from None
     tokenizer = AutoTokenizer.from_pretrained(path)
     apply_chat_template_setting(tokenizer, model_cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
+    attn = choose(ATTENTION, model_cfg.get("attn_implementation", "sdpa"), "model.attn_implementation")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     model.to(device).eval().requires_grad_(False)
     return Verifier(model=model, tokenizer=tokenizer, fingerprint=fingerprint(model),
                     name=str(model_cfg.name), path=str(path))
