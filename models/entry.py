@@ -3,7 +3,10 @@ the config, refuse a bad override in one line before any work, run `run(cfg)` an
 DraftsmithError into one line and exit status 2. On the floor below train/ and decode/."""
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -77,3 +80,25 @@ def launch(config_name: str, run) -> None:
             run(cfg)
 
     main()
+
+
+def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GB over the process tree) of one command run from the repository
+    root; its stderr goes to a file (a pipe would fill and stall it) and its tail is raised on failure."""
+    import psutil
+
+    t0, peak = time.time(), 0
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=CONF_DIR.parent, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        parent = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [parent, *parent.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed: {err.read()[-2000:]}")
+    return time.time() - t0, peak / 1e9

@@ -16,36 +16,15 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 from omegaconf import DictConfig
 
-from draftsmith.models.entry import launch
+from draftsmith.models.entry import launch, run_measured
 from draftsmith.models.errors import choose
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, peak RSS in GB over the process tree) of one command."""
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    parent = psutil.Process(proc.pid)
-    while proc.poll() is None:
-        try:
-            tree = [parent, *parent.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-        except psutil.Error:
-            pass
-        time.sleep(0.2)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed: {proc.stderr.read()[-2000:]}")
-    return time.time() - t0, peak / 1e9
 
 
 def read_metrics(out: Path) -> dict[str, list[tuple[int, float]]]:

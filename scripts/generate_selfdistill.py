@@ -4,11 +4,15 @@ distribution they must match (also the re-training path after a verifier fine-tu
     python scripts/generate_selfdistill.py                                  # chit-chat prompts
     python scripts/generate_selfdistill.py data@data.prompts=mtbench num_prompts=80
     accelerate launch --num_processes 8 scripts/generate_selfdistill.py     # prompts split over 8 GPUs
+    python scripts/generate_selfdistill.py backend=transformers batch_size=16   # HF generate, static batches
     python scripts/generate_selfdistill.py backend=vllm vllm.tensor_parallel_size=4   # vLLM (GPU)
     python train/medusa.py data=selfdistill                                 # train on the result
 
+backend=batched (the default) is draftsmith's continuous batching (decode/batch.py): up to
+batch_size rows decode in one forward, a finished row leaves and the next prompt joins.
+
 Writes `output_dir/records.jsonl` ({"id", "category", "messages", "finish"} per line, appended
-and fsynced after every batch) and `output_dir/manifest.json` (verifier name + fingerprint,
+and fsynced as each answer finishes) and `output_dir/manifest.json` (verifier name + fingerprint,
 generation settings, counts). Rerunning the same command resumes: ids already in
 records.jsonl are skipped and a torn last line is dropped. With N processes each writes
 `parts/records.<rank>.jsonl`; process 0 merges them into records.jsonl at the end (an
@@ -27,13 +31,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from draftsmith.decode import batch
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import choose
 from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.core.accel import process_state
 
-BACKENDS = {"transformers": "transformers", "vllm": "vllm"}
+BACKENDS = {"batched": "batched", "transformers": "transformers", "vllm": "vllm"}
 PARTS_DIR = "parts"  # per-process records of a multi-process run, merged into records.jsonl at the end
 
 # Settings that change what the answers look like: a resumed run must match them.
@@ -122,9 +128,37 @@ def end_token_ids(verifier) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def answer(tokenizer, row: list[int], eos_ids: list[int]) -> tuple[str, str, int]:
+    """New tokens -> (answer text, finish "stop"|"length", tokens kept): cut at the first end token."""
+    stop = next((t for t, tok in enumerate(row) if tok in eos_ids), None)
+    kept = row if stop is None else row[:stop]
+    return tokenizer.decode(kept, skip_special_tokens=True), "length" if stop is None else "stop", len(kept)
+
+
+def in_batches(generate_batch_, batch_size: int):
+    """A `generate(prompt_ids)` yielding (index, answer) from a function that answers one static batch."""
+    def generate(prompt_ids: list[list[int]]):
+        for start in range(0, len(prompt_ids), batch_size):
+            yield from enumerate(generate_batch_(prompt_ids[start:start + batch_size]), start=start)
+    return generate
+
+
+def generate_batched(cfg: DictConfig, verifier, generator: torch.Generator):
+    """draftsmith's continuous batching (decode.batch): answers stream out as rows finish."""
+    eos_ids = end_token_ids(verifier)
+    params = SamplingParams(temperature=float(cfg.temperature), top_p=float(cfg.top_p))
+
+    def generate(prompt_ids: list[list[int]]):
+        for i, tokens, _ in batch.generate_batch(verifier.model, prompt_ids, max_new_tokens=int(cfg.max_new_tokens),
+                                                  eos=eos_ids, params=params, batch_size=int(cfg.batch_size),
+                                                  generator=generator):
+            yield i, answer(verifier.tokenizer, tokens, eos_ids)
+    return generate
+
+
 @torch.no_grad()
 def generate_answers(verifier, prompt_ids: list[list[int]], cfg: DictConfig) -> list[tuple[str, str, int]]:
-    """(answer text, finish "stop"|"length", new tokens) per prompt, one left-padded batch."""
+    """(answer text, finish "stop"|"length", new tokens) per prompt, one left-padded HF generate batch."""
     tokenizer, model = verifier.tokenizer, verifier.model
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = end_token_ids(verifier)
@@ -137,18 +171,13 @@ def generate_answers(verifier, prompt_ids: list[list[int]], cfg: DictConfig) -> 
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                          **kwargs)
     new_tokens = out[:, input_ids.shape[1]:].tolist()  # (B, <= max_new_tokens)
-    answers = []
-    for row in new_tokens:
-        stop = next((t for t, tok in enumerate(row) if tok in eos_ids), None)
-        kept = row if stop is None else row[:stop]
-        answers.append((tokenizer.decode(kept, skip_special_tokens=True), "length" if stop is None else "stop",
-                        len(kept)))
-    return answers
+    return [answer(tokenizer, row, eos_ids) for row in new_tokens]
 
 
 def generate_vllm(cfg: DictConfig, verifier):
-    """A `generate(prompt_ids) -> answers` backed by vLLM (GPU machines; one process, vLLM batches
-    and shards internally: vllm.tensor_parallel_size for big verifiers)."""
+    """A `generate(prompt_ids) -> answers` of one chunk, backed by vLLM (GPU machines; one
+    process, vLLM batches and shards internally: vllm.tensor_parallel_size for big verifiers;
+    batch_size prompts per chunk, written before the next starts)."""
     try:
         from vllm import LLM, SamplingParams
     except ImportError:
@@ -248,28 +277,34 @@ def run(cfg: DictConfig) -> dict:
     else:
         (out_dir / PARTS_DIR).mkdir(exist_ok=True)
         mine = out_dir / PARTS_DIR / f"records.{state.process_index}.jsonl"
-    generate = generate_vllm(cfg, verifier) if backend == "vllm" else \
-        (lambda prompt_ids: generate_answers(verifier, prompt_ids, cfg))
     torch.manual_seed(int(cfg.seed) + state.process_index)
+    generator = torch.Generator(device=verifier.model.device).manual_seed(int(cfg.seed) + state.process_index)
+    if backend == "vllm":
+        generate = in_batches(generate_vllm(cfg, verifier), int(cfg.batch_size))
+    elif backend == "batched":
+        generate = generate_batched(cfg, verifier, generator)
+    else:
+        generate = in_batches(lambda prompt_ids: generate_answers(verifier, prompt_ids, cfg), int(cfg.batch_size))
     new_tokens, t0 = 0, time.time()
     with open(mine, "a", encoding="utf-8") as f, \
             tqdm(total=len(encoded), desc="selfdistill", unit="prompt", disable=not state.is_main_process) as bar:
-        for start in range(0, len(encoded), int(cfg.batch_size)):
-            batch = encoded[start:start + int(cfg.batch_size)]
-            answers = generate([ids for _, ids in batch])
-            for (prompt, _), (text, finish, n_new) in zip(batch, answers):
-                record = {"id": prompt["id"], "category": prompt["category"],
-                          "messages": prompt["messages"] + [{"role": "assistant", "content": text}],
-                          "finish": finish}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                counts["truncated"] += finish == "length"
-                new_tokens += n_new
+        for i, (text, finish, n_new) in generate([ids for _, ids in encoded]):
+            prompt = encoded[i][0]
+            record = {"id": prompt["id"], "category": prompt["category"],
+                      "messages": prompt["messages"] + [{"role": "assistant", "content": text}],
+                      "finish": finish}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
-            os.fsync(f.fileno())
-            counts["generated"] += len(batch)
-            bar.update(len(batch))
+            os.fsync(f.fileno())  # an answer on disk is never generated again
+            counts["truncated"] += finish == "length"
+            counts["generated"] += 1
+            new_tokens += n_new
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
     tok_s = new_tokens / seconds if seconds > 0 else 0.0
+    counts["throughput"] = {"new_tokens": new_tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tok_s, 2),
+                            "backend": backend, "batch_size": int(cfg.batch_size)}  # this run, process 0
     print(f"selfdistill: process {state.process_index}/{state.num_processes}: {counts['generated']} answers, "
           f"{new_tokens} new tokens at {tok_s:.1f} tok/s", flush=True)
     state.wait_for_everyone()

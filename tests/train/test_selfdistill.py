@@ -58,7 +58,8 @@ def test_default_config_composes():
     assert cfg.data.prompts.source == "chitchat" and cfg.num_prompts == cfg.data.prompts.num_prompts
     assert cfg.output_dir == cfg.data.path
     assert cfg.data.path.endswith("data/selfdistill-smollm2-135m") and not os.path.isabs(cfg.data.path)
-    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size) == (128, 0.0, 8)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.backend) == (128, 0.0, 128, "batched")
+    assert (cfg.model.dtype, cfg.model.attn_implementation) == ("bfloat16", "grouped")
     assert (ROOT / "conf" / "selfdistill.yaml").read_text().startswith("# python scripts/generate_selfdistill.py")
 
 
@@ -105,6 +106,17 @@ def test_generate_resume_and_load(model_dir, tmp_path):
     # other generation settings must not be mixed into the same folder
     with pytest.raises(DataError, match=r"max_new_tokens: 8 -> 4"):
         gen.run(make_cfg(model_dir, resumed_dir, "max_new_tokens=4"))
+
+
+def test_batched_and_hf_generate_backends_write_the_same_greedy_answers(model_dir, tmp_path):
+    """Continuous batching (the default) against HF generate in static batches, float64."""
+    batched = gen.run(make_cfg(model_dir, tmp_path / "batched", "backend=batched", "max_new_tokens=12"))
+    hf = gen.run(make_cfg(model_dir, tmp_path / "hf", "backend=transformers", "max_new_tokens=12"))
+    assert batched["records"] == hf["records"] == 7 and batched["new_tokens"] == hf["new_tokens"] > 0
+    by_id = {r["id"]: r for r in read_records(tmp_path / "hf")}
+    assert all(r == by_id[r["id"]] for r in read_records(tmp_path / "batched"))
+    throughput = json.loads((tmp_path / "batched" / "manifest.json").read_text())["counts"]["throughput"]
+    assert throughput["backend"] == "batched" and throughput["new_tokens"] == batched["new_tokens"]
 
 
 def test_sampling_runs_and_trains(model_dir, tmp_path, tokenizer):
@@ -179,5 +191,5 @@ def test_vllm_backend_without_vllm_is_a_one_line_error(model_dir, tmp_path, monk
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without vLLM, installed or not
     with pytest.raises(DataError, match="backend=vllm needs vLLM on a GPU machine: pip install vllm"):
         gen.run(make_cfg(model_dir, tmp_path, "backend=vllm"))
-    with pytest.raises(DraftsmithError, match="backend=.tgi. is not known; valid: transformers, vllm"):
+    with pytest.raises(DraftsmithError, match="backend=.tgi. is not known; valid: batched, transformers, vllm"):
         gen.run(make_cfg(model_dir, tmp_path / "x", "backend=tgi"))
