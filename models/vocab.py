@@ -12,7 +12,7 @@ IGNORE_INDEX = -100  # label of an unsupervised position (HF / torch cross_entro
 
 
 def label_counts(labels_per_example, vocab_size: int) -> torch.Tensor:
-    """(V,) how often each verifier id is a supervised target (label != -100) in the data."""
+    """(V,) how often each verifier id is a supervised target (label != IGNORE_INDEX) in the data."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for labels in labels_per_example:
         labels = torch.as_tensor(labels)

@@ -115,7 +115,7 @@ def test_unknown_keys_fail_listing_the_valid_ones(tmp_path):
     assert "data.source='s3'" in str(err.value)
     for key in SOURCES:
         assert key in str(err.value)
-    assert set(SOURCES) == {"local", "hf", "chitchat", "mtbench", "humaneval", "tiny"}
+    assert set(SOURCES) == {"local", "hf", "chitchat", "mtbench", "humaneval", "tiny", "sharegpt_package", "mix"}
     path = write_jsonl(tmp_path / "data.jsonl", [OPENAI])
     with pytest.raises(ValueError, match="data.format='alpaca' is not known; valid: auto, openai, sharegpt"):
         load_conversations({"source": "local", "path": str(path), "format": "alpaca"})
