@@ -27,7 +27,7 @@ from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.draft import load_draft_model
-from draftsmith.models.entry import launch
+from draftsmith.models.entry import CONF_DIR, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier
@@ -168,6 +168,23 @@ def method_stats(outputs, latencies, max_depth: int) -> dict:
     stats["accepted_per_depth"] = [sum(s.accepted >= d for s in steps) / max(len(steps), 1)
                                    for d in range(1, max_depth + 1)]
     return stats
+
+
+def model_overrides(model_cfg) -> list[str]:
+    """Overrides that give an evaluate config this `model` node (its dtype excepted: callers set it)."""
+    return [f"++model.{k}={'null' if v is None else v}" for k, v in model_cfg.items() if k != "dtype"]
+
+
+def evaluate_config(overrides: list[str]) -> DictConfig:
+    """The conf/evaluate.yaml config with these overrides, composed from Python or from inside
+    another script's Hydra app (scripts/compare.py, scripts/learning_curve.py)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose("evaluate", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("evaluate", overrides=overrides)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -19,24 +19,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.decode.evaluate import evaluate_config, model_overrides
 from draftsmith.decode.evaluate import run as evaluate
-from draftsmith.models.entry import CONF_DIR, launch
+from draftsmith.models.entry import launch
 
 
 def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    model = [f"++model.{k}={'null' if v is None else v}" for k, v in cfg.model.items() if k != "dtype"]
-    overrides = [*model, f"model.dtype={cfg.dtype}", f"data={dataset}",
-                 f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-                 f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
-                 f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
-                 f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides]
-    if GlobalHydra.instance().is_initialized():  # inside this script's own Hydra app
-        return compose("evaluate", overrides=overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):  # called from Python (tests)
-        return compose("evaluate", overrides=overrides)
+    return evaluate_config([*model_overrides(cfg.model), f"model.dtype={cfg.dtype}", f"data={dataset}",
+                            f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
+                            f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
+                            f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
+                            f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
 
 
 def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:

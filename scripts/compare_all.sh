@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# Train every drafter on the same self-distilled data and budget, then compare all methods:
-#   bash scripts/compare_all.sh                  # STEPS=300 DRAFT_STEPS=100 (a few hours on 2 CPU cores)
-#   STEPS=2000 DRAFT_STEPS=1000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # on a GPU node
-# Needs the self-distilled data of the main job (scripts/quickstart.sh, or generate_selfdistill.py).
-# Every trainer reads the same offline features (written once): Medusa-1 and EAGLE-1 the last
-# hidden state, EAGLE-3 three layers, the draft models the verifier's top-64 logits (draft-rkl
-# needs the full teacher law and runs online). Extra Hydra overrides apply to every command.
+# The long recipes behind README "Results", on the offline default (SmolLM2-135M, 2 CPU cores):
+#   bash scripts/compare_all.sh                           # EAGLE-3, as in the README table
+#   METHODS="eagle3 medusa1 draft-fkl" STEPS=600 bash scripts/compare_all.sh
+#   NUM_PROMPTS=20000 STEPS=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
+# 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped),
+# 2. train each method on data=sharegpt-mix (those answers + ShareGPT text) with trainer=cpu-long,
+#    a drafter snapshot every SNAPSHOT steps,
+# 3. learning curves from the snapshots (scripts/learning_curve.py),
+# 4. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup and
+#    lookahead (scripts/compare.py; speedups against plain decoding interleaved in the same run).
+# Extra arguments are Hydra overrides for every training command.
 set -euo pipefail
-STEPS=${STEPS:-300}
-DRAFT_STEPS=${DRAFT_STEPS:-100}
+NUM_PROMPTS=${NUM_PROMPTS:-1024}
+STEPS=${STEPS:-200}
+SNAPSHOT=${SNAPSHOT:-50}
+METHODS=${METHODS:-eagle3}
+EVAL_PROMPTS=${EVAL_PROMPTS:-10}
 OUT=${OUT:-outputs/cmp}
-FEATURES=$OUT/features
-python scripts/prepare_features.py model.dtype=bfloat16 layers='[2,15,27]' topk=64 output_dir="$FEATURES" "$@"
-run="model.dtype=bfloat16 trainer.eval_every=100 trainer.save_every=100 logger=csv"
-python train/medusa.py $run data.features="$FEATURES" trainer.max_steps="$STEPS" method.lm_head=shared \
-    output_dir="$OUT/medusa1" "$@"
-python train/eagle.py $run data.features="$FEATURES" trainer.max_steps="$STEPS" method=eagle1 output_dir="$OUT/eagle1" "$@"
-python train/eagle.py $run data.features="$FEATURES" trainer.max_steps="$STEPS" method=eagle3 \
-    method.fusion_layers='[2,15,27]' output_dir="$OUT/eagle3" "$@"
-draft="$run trainer.max_steps=$DRAFT_STEPS trainer.lr=3e-4 method.student.num_layers=4"
-for d in fkl jsd tvd; do
-    python train/draft.py $draft data.features="$FEATURES" method=draft-$d output_dir="$OUT/draft-$d" "$@"
+export WANDB_MODE="${WANDB_MODE:-offline}"
+
+python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
+run="data=sharegpt-mix trainer=cpu-long model.dtype=bfloat16 trainer.max_steps=$STEPS trainer.eval_every=$SNAPSHOT
+     trainer.save_every=$SNAPSHOT trainer.snapshot_every=$SNAPSHOT"
+curves=()
+for m in $METHODS; do
+    case $m in
+        eagle1|eagle3) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
+        medusa1) python train/medusa.py $run method.lm_head=shared output_dir="$OUT/$m" "$@" ;;
+        draft-fkl) python train/draft.py $run method=draft-fkl method.student.num_layers=4 trainer.lr=3e-4 \
+                       output_dir="$OUT/$m" "$@" ;;
+        *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;
+    esac
+    case $m in eagle1) ;; draft-fkl) curves+=("runs.draft=$OUT/$m") ;; *) curves+=("runs.$m=$OUT/$m") ;; esac
 done
-python train/draft.py $draft method=draft-rkl output_dir="$OUT/draft-rkl" "$@"
-# the same student before any distillation: the baseline that distillation must beat
-python train/draft.py $draft trainer.max_steps=0 output_dir="$OUT/draft-untrained" "$@"
-python scripts/compare.py cmp_dir="$OUT" "$@"
+if [ ${#curves[@]} -gt 0 ]; then
+    python scripts/learning_curve.py "${curves[@]}" num_prompts=8 output_dir="$OUT/learning-curve"
+fi
+only=$(echo "$METHODS prompt-lookup lookahead" | tr ' ' ',')
+python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
+    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=none output_dir="$OUT/compare"

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.models.checkpoint import save_drafter
+from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.core.accel import (
@@ -113,14 +114,15 @@ class BatchStream:
             return next(self._it)
 
 
-def resume(accelerator, cfg) -> int:
-    """Load the latest training state of cfg.output_dir (when trainer.resume); -> its step."""
+def resume(accelerator, cfg) -> dict:
+    """Load the latest training state of cfg.output_dir (when trainer.resume); -> its
+    trainer_state ({"step", "epoch", "tokens", "seconds"}), or step 0."""
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.trainer.resume else None
     if ckpt is None:
-        return 0
-    step = load_training_state(accelerator, ckpt)["step"]
-    accelerator.print(f"resuming from {ckpt} at step {step}")
-    return step
+        return {"step": 0}
+    state = load_training_state(accelerator, ckpt)
+    accelerator.print(f"resuming from {ckpt} at step {state['step']}")
+    return state
 
 
 def best_so_far(output_dir, step: int, key: str) -> dict:
@@ -142,19 +144,24 @@ def optimizer_step(accelerator, model, loss, optimizer, tcfg) -> None:
 
 
 def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save, best: dict, key: str,
-               t0: float) -> tuple[dict | None, dict]:
+               progress: dict) -> tuple[dict | None, dict]:
     """Every trainer.eval_every steps: evaluate(), log, keep the best by `key` (save(metrics,
-    "best")); every trainer.save_every steps: the training state. -> (metrics or None, best)."""
+    "best")); every trainer.snapshot_every steps: the drafter as snapshots/step-N (learning
+    curves); every trainer.save_every steps: the training state. `progress` is the run's
+    {"tokens", "seconds"} so far (across resumes). -> (metrics or None, best)."""
     tcfg, metrics = cfg.trainer, None
     if step % tcfg.eval_every == 0 or step == tcfg.max_steps:
         metrics = evaluate()
-        accelerator.log({**metrics, "time/elapsed_s": time.time() - t0}, step=step)
+        accelerator.log({**metrics, "time/elapsed_s": progress["seconds"], "train/tokens": progress["tokens"]},
+                        step=step)
         accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
         if metrics[key] > best[key]:
             best = {**metrics, "step": step}
             save(best, "best")
+        if tcfg.snapshot_every and step % tcfg.snapshot_every == 0:
+            save({**metrics, "step": step, **progress}, f"snapshots/step-{step:08d}")
     if step % tcfg.save_every == 0 or step == tcfg.max_steps:
-        save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch}, tcfg.keep_last)
+        save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch, **progress}, tcfg.keep_last)
     return metrics, best
 
 
@@ -293,7 +300,11 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
     model, optimizer, scheduler = accelerator.prepare(recipe.model, optimizer, scheduler)
     init_trackers(accelerator, cfg.logger, f"{recipe.name}-{cfg.model.name}", OmegaConf.to_container(cfg, resolve=True),
                   cfg.output_dir)
-    step = resume(accelerator, cfg)
+    state = resume(accelerator, cfg)
+    step = state["step"]
+    if tcfg.snapshot_every and tcfg.snapshot_every % tcfg.eval_every:
+        raise DraftsmithError(f"trainer.snapshot_every={tcfg.snapshot_every} is not a multiple of trainer.eval_every="
+                              f"{tcfg.eval_every}; snapshots are taken at evaluations (set it to a multiple, or 0)")
     batches = BatchStream(accelerator, data, tcfg, cfg.seed, step)
     padding = padding_fraction(data.loader(data.train, tcfg.batch_size, shuffle=True, seed=cfg.seed))  # from lengths
     accelerator.print(f"{recipe.name}: {recipe.describe}; {trainable:,} trainable params, {len(data.train)} train / "
@@ -301,7 +312,13 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
                       f"({padding:.0%} padding)")
     metrics: dict = {}
     best = best_so_far(cfg.output_dir, step, recipe.best_key)
-    tokens, t0 = 0, time.time()
+    tokens, t0 = 0, time.time()  # this launch's tokens (this process) and start
+    before = {"tokens": int(state.get("tokens", 0)), "seconds": float(state.get("seconds", 0.0))}  # earlier launches
+
+    def progress() -> dict:  # the run's training tokens (all processes) and seconds, across resumes
+        return {"tokens": before["tokens"] + tokens * accelerator.num_processes,
+                "seconds": round(before["seconds"] + time.time() - t0, 3)}
+
     bar = tqdm(total=tcfg.max_steps, initial=step, desc=recipe.name, disable=not accelerator.is_main_process)
     model.train()
     while step < tcfg.max_steps:
@@ -321,7 +338,8 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
             accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0],
                              "train/tokens_per_s": tokens * accelerator.num_processes / (time.time() - t0), **logs},
                             step=step)
-        new_metrics, best = after_step(accelerator, cfg, step, batches, best=best, key=recipe.best_key, t0=t0,
+        new_metrics, best = after_step(accelerator, cfg, step, batches, best=best, key=recipe.best_key,
+                                       progress=progress(),
                                        evaluate=lambda: recipe.evaluate(model),
                                        save=lambda m, name: recipe.save(model, m, name))
         metrics = new_metrics or metrics
@@ -330,9 +348,9 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
         metrics = recipe.evaluate(model)
         accelerator.log(metrics, step=step)
 
-    final = recipe.save(model, {**metrics, "step": step}, "final")
+    final = recipe.save(model, {**metrics, "step": step, **progress()}, "final")
     elapsed = time.time() - t0
     accelerator.end_training()
     accelerator.print(f"{recipe.name} done: {step} steps in {elapsed:.0f}s, {recipe.report(metrics)}, drafter -> {final}")
-    return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"),
+    return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"), **progress(),
             "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
