@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores):
 #   1. convert the packaged GGUF verifier once (cached under ~/.cache/draftsmith),
-#   2. self-distill: the verifier answers chit-chat prompts itself (fp32, greedy; resumable),
+#   2. self-distill: the verifier answers chit-chat prompts itself (continuous batching, bf16,
+#      greedy; resumable),
 #   3. train 4 Medusa-1 heads on those answers; per-head held-out accuracy is printed,
 #   4. evaluate them on MT-bench against plain decoding and HF generate; print the table.
 # CPU-sized choices (see README "Results"): heads share the verifier's frozen lm_head and the
@@ -11,12 +12,12 @@
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NUM_PROMPTS="${NUM_PROMPTS:-200}"
+NUM_PROMPTS="${NUM_PROMPTS:-500}"
 STEPS="${STEPS:-200}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
-python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" batch_size=16 max_new_tokens=128
+python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128
 python train/medusa.py trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 \
     method.lm_head=shared model.dtype=bfloat16 "$@"
 python decode/evaluate.py model.dtype=bfloat16 decode=medusa-cpu data=mtbench \
