@@ -12,7 +12,7 @@
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NUM_PROMPTS="${NUM_PROMPTS:-500}"
+NUM_PROMPTS="${NUM_PROMPTS:-200}"
 STEPS="${STEPS:-200}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
