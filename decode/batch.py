@@ -18,8 +18,8 @@ done, the batch is rebuilt in ONE copy of the cache: finished rows leave, waitin
 join (prefilled together, right-aligned so their prompt ends at slot L-1), and slots no row
 sees any more are cut from the front. Greedy rows are the verifier's argmax decoding up to
 the dtype's rounding of a batched forward (a bf16 batch rounds differently from one row);
-sampling draws each row from logits_to_probs (float64) by inverse CDF, one uniform per row
-and step from ``generator``. A row that stops (EOS, included as in HF generate, or
+sampling draws each row from logits_to_probs (float64) by inverse CDF (sampling.sample_rows),
+one uniform per row and step from ``generator``. A row that stops (EOS, included as in HF generate, or
 max_new_tokens) is yielded at once.
 """
 from __future__ import annotations
@@ -30,18 +30,9 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.decode.cache import check_compactable, new_cache
-from draftsmith.decode.sampling import SamplingParams, logits_to_probs
+from draftsmith.decode.sampling import SamplingParams, logits_to_probs, sample_rows
 from draftsmith.decode.tree import additive_mask
 from draftsmith.models.errors import DraftsmithError
-
-
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) laws -> (B,) tokens: one float64 inverse-CDF draw per row (zero mass never drawn)."""
-    cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)  # (B, 1)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]  # (B,)
-    last = probs.shape[-1] - 1 - torch.flip(probs > 0, dims=[-1]).long().argmax(-1)  # (B,) last token with mass
-    return torch.minimum(tokens, last)
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
@@ -55,6 +46,7 @@ class _Batch:
     """The live rows of a continuous batch and their shared cache."""
 
     def __init__(self, model: PreTrainedModel):
+        check_compactable(new_cache(model.config))  # full attention only: rows are cut and joined by slot
         self.model, self.decoder, self.lm_head = model, model.get_decoder(), model.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.cache = None
@@ -104,7 +96,6 @@ class _Batch:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         allowed = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         cache = new_cache(self.model.config)
-        check_compactable(cache)
         hidden = self.decoder(input_ids=ids, attention_mask=additive_mask(allowed, self.model.dtype)[:, None],
                               position_ids=positions, cache=cache, use_cache=True).last_hidden_state[:, -1]  # (n, H)
         return cache, self.lm_head(hidden), width

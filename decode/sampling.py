@@ -232,6 +232,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return _sample(probs, _uniforms(1, generator, probs.device)[0])
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) laws -> (B,) tokens: `_sample`'s rule row by row, one float64 uniform per row from
+    ``generator`` (zero mass is never drawn; u * total rounded up takes the last likely token)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)  # (B, 1)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]  # (B,)
+    last = probs.shape[-1] - 1 - torch.flip(probs > 0, dims=[-1]).long().argmax(-1)  # (B,) last token with mass
+    return torch.minimum(tokens, last)
+
+
 def rejection_walk(
     tokens: torch.Tensor,
     parents: torch.Tensor,

@@ -193,13 +193,10 @@ def generate_vllm(cfg: DictConfig, verifier):
 
     def generate(prompt_ids: list[list[int]]) -> list[tuple[str, str, int]]:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        answers = []
-        for out in outs:
-            done = out.outputs[0]
-            kept = [t for t in done.token_ids if t not in eos_ids]
-            answers.append((verifier.tokenizer.decode(kept, skip_special_tokens=True),
-                            "length" if done.finish_reason == "length" else "stop", len(kept)))
-        return answers
+        answers = [answer(verifier.tokenizer, list(out.outputs[0].token_ids), eos_ids) for out in outs]
+        # vLLM may leave the stop token out of token_ids: its own finish_reason says which it was
+        return [(text, "length" if out.outputs[0].finish_reason == "length" else "stop", n)
+                for (text, _, n), out in zip(answers, outs)]
 
     return generate
 

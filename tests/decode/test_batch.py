@@ -9,7 +9,7 @@ import torch
 from scipy.stats import kstest
 from transformers import DynamicCache
 
-from draftsmith.decode import batch
+from draftsmith.decode import batch, sampling
 from draftsmith.decode.cache import BufferedLayer, new_cache
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.models.errors import DraftsmithError
@@ -107,7 +107,7 @@ def test_sample_rows_never_draws_zero_mass():
     probs[1, 9] = 0.0
     probs[2, [0, 3]] = 0.5
     for _ in range(50):
-        tokens = batch.sample_rows(probs / probs.sum(-1, keepdim=True), None)
+        tokens = sampling.sample_rows(probs / probs.sum(-1, keepdim=True), None)
         assert all(probs[r, t] > 0 for r, t in enumerate(tokens.tolist()))
 
 
