@@ -26,7 +26,6 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import load_drafter
-from draftsmith.models.draft import load_draft_model
 from draftsmith.models.entry import CONF_DIR, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
@@ -38,32 +37,27 @@ def build_proposer(cfg, verifier):
     kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
     if kind == "vanilla":
         return None, {}
-    if kind in DRAFT_FREE + ("draft",):
-        return build_decode_only(cfg, verifier, kind)
+    if kind in DRAFT_FREE:
+        return build_draft_free(cfg, verifier, kind), {}
     if not cfg.drafter:
-        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir>")
-    drafter_kind, module, _, meta = load_drafter(
-        cfg.drafter, verifier_fingerprint=verifier.fingerprint, allow_mismatch=cfg.allow_fingerprint_mismatch)
-    if drafter_kind != kind:
-        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter_kind!r} checkpoint; "
+        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
+                              f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
+    drafter = load_drafter(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
+                           allow_mismatch=cfg.allow_fingerprint_mismatch,
+                           verifier_dims=(verifier.config.hidden_size, verifier.lm_head.weight.shape[0]),
+                           verifier_num_layers=verifier.config.num_hidden_layers, dtype=verifier.model.dtype)
+    if drafter.kind != kind:
+        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter.kind!r} checkpoint; "
                               f"method={cfg.method.name} needs {kind}")
-    module = module.to(device=verifier.model.device, dtype=verifier.model.dtype)
-    if kind == "eagle":
-        return make_proposer("eagle", drafter=module, embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
-                             **eagle_tree(cfg.decode)), meta
-    if "paths" not in cfg.decode:
-        raise DraftsmithError(f"decode={cfg.decode.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
-                              f"a static tree such as decode=medusa-small")
-    paths = [tuple(p) for p in cfg.decode.paths]
-    return make_proposer("medusa", heads=module, paths=paths, lm_head=verifier.lm_head), meta
+    return drafter.proposer(verifier, cfg.decode, seed=cfg.seed), drafter.meta
 
 
 DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter
-DECODE_PRESETS = {"draft": "draft-chain", "prompt_lookup": "prompt-lookup", "lookahead": "lookahead"}
+DECODE_PRESETS = {"prompt_lookup": "prompt-lookup", "lookahead": "lookahead"}
 
 
-def build_decode_only(cfg, verifier, kind: str):
-    """Proposers configured entirely by their decode preset (plus drafter= for a draft model)."""
+def build_draft_free(cfg, verifier, kind: str):
+    """Proposers configured entirely by their decode preset."""
     d = cfg.decode
     if d.get("proposer") != kind:
         raise DraftsmithError(f"method={cfg.method.name} needs a {kind} decode preset and decode={d.name} is not "
@@ -71,31 +65,9 @@ def build_decode_only(cfg, verifier, kind: str):
     device = verifier.model.device
     if kind == "prompt_lookup":
         return make_proposer(kind, num_tokens=d.num_tokens, max_ngram=d.max_ngram, min_ngram=d.min_ngram,
-                             num_matches=d.num_matches, device=device), {}
-    if kind == "lookahead":
-        return make_proposer(kind, lm_head=verifier.lm_head, window=d.window, ngram=d.ngram, guess_set=d.guess_set,
-                             pool_from_prompt=d.pool_from_prompt, seed=cfg.seed, device=device), {}
-    if not cfg.drafter:
-        raise DraftsmithError(f"method={cfg.method.name} needs a draft model: pass drafter=<draft model folder> "
-                              f"(train one with python train/draft.py, or any HF model with the same tokenizer)")
-    vocab = verifier.lm_head.weight.shape[0]
-    draft, meta = load_draft_model(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
-                                   allow_mismatch=cfg.allow_fingerprint_mismatch, dtype=verifier.model.dtype,
-                                   vocab_size=vocab)
-    return make_proposer(kind, model=draft.to(device), vocab_size=vocab, num_tokens=d.num_tokens,
-                         tree_topk=list(d.tree_topk), length_schedule=d.length_schedule, min_tokens=d.min_tokens,
-                         max_tokens=d.max_tokens, confidence=d.confidence, seed=cfg.seed), meta
-
-
-def eagle_tree(decode_cfg) -> dict:
-    """EAGLE tree settings from a decode preset: a static path list, or EAGLE-2 depth/top_k/total_tokens."""
-    if "paths" in decode_cfg:
-        return {"paths": [tuple(p) for p in decode_cfg.paths]}
-    missing = [k for k in ("depth", "top_k", "total_tokens") if decode_cfg.get(k) is None]
-    if missing:
-        raise DraftsmithError(f"decode={decode_cfg.name} has neither paths nor {', '.join(missing)}; "
-                              f"use decode=eagle-chain, eagle-static or eagle-dynamic")
-    return {k: int(decode_cfg[k]) for k in ("depth", "top_k", "total_tokens")}
+                             num_matches=d.num_matches, device=device)
+    return make_proposer(kind, lm_head=verifier.lm_head, window=d.window, ngram=d.ngram, guess_set=d.guess_set,
+                         pool_from_prompt=d.pool_from_prompt, seed=cfg.seed, device=device)
 
 
 def prompt_ids(tokenizer, messages) -> torch.Tensor:

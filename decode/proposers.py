@@ -207,3 +207,47 @@ def make_proposer(name: str, **kwargs) -> Proposer:
     except KeyError:
         raise DraftsmithError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
     return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def eagle_tree(decode_cfg) -> dict:
+    """EAGLE tree settings from a decode preset: a static path list, or EAGLE-2 depth/top_k/total_tokens."""
+    if "paths" in decode_cfg:
+        return {"paths": [tuple(p) for p in decode_cfg.paths]}
+    missing = [k for k in ("depth", "top_k", "total_tokens") if decode_cfg.get(k) is None]
+    if missing:
+        raise DraftsmithError(f"decode={decode_cfg.name} has neither paths nor {', '.join(missing)}; "
+                              f"use decode=eagle-chain, eagle-static or eagle-dynamic")
+    return {k: int(decode_cfg[k]) for k in ("depth", "top_k", "total_tokens")}
+
+
+def _medusa_from(drafter, verifier, d, seed):
+    if "paths" not in d:
+        raise DraftsmithError(f"decode={d.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
+                              f"a static tree such as decode=medusa-small")
+    return make_proposer("medusa", heads=drafter.module, paths=[tuple(p) for p in d.paths], lm_head=verifier.lm_head)
+
+
+def _eagle_from(drafter, verifier, d, seed):
+    return make_proposer("eagle", drafter=drafter.module, embed_tokens=verifier.embed_tokens,
+                         lm_head=verifier.lm_head, **eagle_tree(d))
+
+
+def _draft_from(drafter, verifier, d, seed):
+    if d.get("proposer") != "draft":
+        raise DraftsmithError(f"a draft model needs a draft decode preset and decode={d.name} is not one: "
+                              f"pass decode=draft-chain or draft-tree")
+    return make_proposer("draft", model=drafter.module, vocab_size=verifier.lm_head.weight.shape[0],
+                         num_tokens=d.num_tokens, tree_topk=list(d.tree_topk), length_schedule=d.length_schedule,
+                         min_tokens=d.min_tokens, max_tokens=d.max_tokens, confidence=d.confidence, seed=seed)
+
+
+# drafter kind (models/checkpoint.py) -> proposer factory (drafter, verifier, decode preset, seed)
+FROM_DRAFTER = {"medusa": _medusa_from, "eagle": _eagle_from, "draft": _draft_from}
+
+
+def proposer_for(drafter, verifier, decode_cfg, seed: int = 0) -> Proposer:
+    """The proposer of a loaded drafter (models.checkpoint.Drafter) on `verifier`, in its dtype and
+    device, configured by a decode preset: what `Drafter.proposer` returns."""
+    build = FROM_DRAFTER[drafter.kind]
+    module = drafter.module.to(device=verifier.model.device, dtype=verifier.model.dtype)
+    return build(drafter._replace(module=module), verifier, decode_cfg, seed)

@@ -15,6 +15,7 @@ vLLM and draftsmith's own decoder all load it.
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -110,9 +111,21 @@ def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) ->
 def save_draft_model(out_dir: str | Path, model: PreTrainedModel, tokenizer, *, verifier_fingerprint: str,
                      verifier_name: str, meta: dict | None = None, state_dict: dict | None = None,
                      resolved_config_yaml: str | None = None) -> Path:
-    """An HF model folder (one model.safetensors) + tokenizer + meta.json, written atomically."""
+    """An HF model folder (one model.safetensors) + tokenizer + generation_config.json + meta.json,
+    written atomically: what HF assisted generation (`assistant_model=`), vLLM's draft_model
+    method and SGLang's STANDALONE algorithm load as they stand.
+
+    generation_config.json carries the draft schedule of conf/decode/draft-chain.yaml as HF
+    reads it: num_assistant_tokens 4, the heuristic schedule (+2 after a fully accepted draft,
+    -1 otherwise) and no confidence cut (HF's default stops drafting below 0.4)."""
+    generation = copy.deepcopy(model.generation_config)
+    generation.num_assistant_tokens = 4
+    generation.num_assistant_tokens_schedule = "heuristic"
+    generation.assistant_confidence_threshold = 0.0
+
     def write(tmp: Path):
         model.save_pretrained(tmp, state_dict=state_dict, max_shard_size="1000GB")
+        generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         info = {"kind": "draft", "verifier_fingerprint": verifier_fingerprint, "verifier_name": verifier_name,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}

@@ -1,33 +1,51 @@
-"""EAGLE drafters (Li et al. 2024/2025): one decoder layer that extrapolates the verifier's features.
+"""EAGLE drafters (Li et al. 2024/2025), in the layouts vLLM and SGLang load as they stand.
 
-EAGLE-1: at position t the drafter reads the verifier's final hidden state f_t and the embedding
-of the next token x_{t+1}, and predicts f_{t+1}:
+Conventions: H the verifier's hidden size, V its vocabulary, N the draft vocabulary (N = V
+without a reduced one). The drafter is one Llama decoder layer with the verifier's dimensions
+and rotary settings (the engines' EAGLE drafters are Llama layers whatever the verifier's
+family), built from transformers' own LlamaAttention / LlamaMLP / LlamaRMSNorm /
+LlamaRotaryEmbedding; the verifier's embedding and (EAGLE-1) lm_head are passed in at call
+time and never stored.
 
-    f_hat_{t+1} = norm(layer(fc(concat(embed(x_{t+1}), f_t))))     fc: 2H -> H
+EAGLE-1 (vLLM `llama_eagle.py`, architecture EagleLlamaForCausalLM). At position t the drafter
+reads the verifier's final (normed) hidden state f_t and the embedding of x_{t+1}:
 
-`layer` is ONE decoder layer of the verifier's own family (with its rotary embedding and final
-norm): the verifier's HF config cut to one layer and built by `AutoModel.from_config`, so the
-attention, masks, positions and KV cache are transformers' own code. lm_head(f_hat_{t+1})
-predicts x_{t+2}. The verifier's embedding and lm_head are frozen and shared: they are passed
-in at call time and never stored in the drafter.
+    x = fc(concat(embed(x_{t+1}), f_t))                   fc: 2H -> H, no bias
+    h = x + attn(x)                                       layer 0 has NO input norm
+    f_hat_{t+1} = h + mlp(post_attention_layernorm(h))    NO final norm
 
-EAGLE-3: the input feature is fused from several verifier layers (low / middle / high) by
-fuse: L*H -> H instead of being the final hidden state; unrolled drafting feeds the drafter
-its own output f_hat as the feature of the next position (training-time test, see
-train/eagle.py). A reduced draft vocabulary (the `draft_vocab_size` most frequent target
-tokens of the training data) projects onto N << V tokens: `d2t` (N,) maps draft ids to
-verifier ids and is stored in the checkpoint; the projection is the drafter's own (N x H,
-initialised from the verifier's lm_head rows) or those verifier rows gathered at call time.
+lm_head(f_hat_{t+1}) predicts x_{t+2}; f_hat is fed back as the next feature. Weights:
+fc.weight, layers.0.{self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}.
+(The published EAGLE-1 checkpoints also carry fc.bias, which vLLM drops: `fc_bias=True`
+imports them faithfully; such a drafter is refused by the vLLM export.)
+
+EAGLE-3 (vLLM / SGLang `llama_eagle3.py`, SpecForge, architecture LlamaForCausalLMEagle3):
+
+    g_t = fc(concat(s_t^low, s_t^mid, s_t^high))           fc: 3H -> H, no bias (verifier states only)
+    a = concat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))       (2H: q/k/v read 2H)
+    h = g_t + attn(a)
+    p_{t+1} = h + mlp(post_attention_layernorm(h))          the pre-norm state, fed back as g_{t+1}
+    logits = lm_head(norm(p_{t+1}))                          over the N draft tokens
+
+Weights: fc.weight, midlayer.{input_layernorm, hidden_norm, self_attn.*, post_attention_layernorm,
+mlp.*}, norm.weight, lm_head.weight (N, H), d2t (N,) int64 OFFSETS (draft id i is verifier id
+i + d2t[i]) and t2d (V,) bool (verifier id is in the draft vocabulary). `fusion_layers` are
+0-based verifier layers whose OUTPUTS are fused (HF hidden_states[i + 1]); vLLM's
+`eagle_aux_hidden_state_layer_ids` count one higher (id j = hidden_states[j]), SGLang's are ours.
+
+The reduced draft vocabulary (any variant) projects onto N << V tokens through the drafter's own
+N x H lm_head (`own`, initialised from the verifier's rows) or those verifier rows gathered at
+call time (`gathered`); `shared` is the verifier's full lm_head.
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import MODEL_MAPPING, AutoConfig
+from transformers import AutoConfig, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.errors import DraftsmithError, choose
 
@@ -39,12 +57,13 @@ LM_HEAD_MODES = ("shared", "own", "gathered")  # shared: the verifier's full lm_
 class EagleConfig:
     hidden_size: int
     vocab_size: int  # the verifier's vocabulary
-    decoder_config: dict  # the verifier's HF config (to_dict()); the drafter layer is built from it
+    decoder_config: dict  # the verifier's HF config (to_dict()): dimensions and rotary settings of the layer
     variant: str = "eagle1"  # eagle1 | eagle3
-    fusion_layers: list[int] = field(default_factory=list)  # eagle3: verifier layers fused (0-based)
+    fusion_layers: list[int] = field(default_factory=list)  # eagle3: verifier layers whose outputs are fused
     draft_vocab_size: int | None = None  # None = the full vocabulary
     lm_head: str = "shared"  # shared (full vocab) | own | gathered (reduced vocab)
     attn_implementation: str = "sdpa"
+    fc_bias: bool = False  # True only for imported EAGLE-1 checkpoints of the original repository
 
     def __post_init__(self):
         choose(dict.fromkeys(VARIANTS), self.variant, "method.variant")
@@ -52,10 +71,12 @@ class EagleConfig:
         self.fusion_layers = [int(i) for i in self.fusion_layers or []]
         self.decoder_config = json.loads(json.dumps(self.decoder_config, default=str))  # as config.json stores it
         if self.variant == "eagle3" and not self.fusion_layers:
-            raise DraftsmithError("method.variant=eagle3 needs method.fusion_layers (e.g. [2, 15, 27]); "
+            raise DraftsmithError("method.variant=eagle3 needs method.fusion_layers (e.g. [1, 14, 26]); "
                                   "null picks models.verifier.default_fusion_layers")
         if self.variant == "eagle1" and self.fusion_layers:
             raise DraftsmithError("method.fusion_layers is for eagle3; set it to null for eagle1")
+        if self.variant == "eagle3" and self.fc_bias:
+            raise DraftsmithError("fc_bias is for imported EAGLE-1 checkpoints; EAGLE-3's fc has no bias")
         if self.draft_vocab_size is None:
             if self.lm_head != "shared":
                 raise DraftsmithError(f"method.lm_head={self.lm_head} needs method.draft_vocab_size (a reduced "
@@ -74,81 +95,169 @@ class EagleConfig:
         return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
 
-def layer_config(config: EagleConfig):
-    """The verifier's HF config cut to one full-attention layer, without a usable embedding."""
-    cfg = copy.deepcopy(config.decoder_config)
+def llama_layer_config(config: EagleConfig) -> LlamaConfig:
+    """A one-layer LlamaConfig with the verifier's dimensions, norm epsilon and rotary settings."""
+    cfg = dict(config.decoder_config)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
         raise DraftsmithError("the EAGLE checkpoint's decoder_config has no model_type; retrain the drafter")
-    cfg.update(num_hidden_layers=1, vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-               use_cache=True, tie_word_embeddings=False)
-    for key in ("layer_types", "dtype", "torch_dtype", "architectures", "quantization_config"):
+    for key in ("dtype", "torch_dtype", "architectures", "quantization_config", "layer_types", "auto_map"):
         cfg.pop(key, None)
-    if cfg.get("use_sliding_window") is not None:
-        cfg["use_sliding_window"] = False  # one short-context layer: full attention (compactable cache)
-    if "sliding_window" in cfg:
-        cfg["sliding_window"] = None
-    hf = AutoConfig.for_model(model_type, **cfg)
-    hf._attn_implementation = config.attn_implementation
-    return hf
+    v = AutoConfig.for_model(model_type, **cfg)  # the verifier's own config class reads its own keys
+    heads = v.num_attention_heads
+    head_dim = getattr(v, "head_dim", None) or v.hidden_size // heads
+    rope = getattr(v, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(v, "rope_theta", 1e4)}
+    lc = LlamaConfig(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_hidden_layers=1,
+                     num_attention_heads=heads, num_key_value_heads=getattr(v, "num_key_value_heads", None) or heads,
+                     head_dim=head_dim, hidden_act=getattr(v, "hidden_act", "silu"),
+                     rms_norm_eps=getattr(v, "rms_norm_eps", 1e-6),
+                     max_position_embeddings=getattr(v, "max_position_embeddings", 4096),
+                     rope_parameters=dict(rope), vocab_size=config.vocab_size, attention_bias=False, mlp_bias=False,
+                     tie_word_embeddings=False, initializer_range=getattr(v, "initializer_range", 0.02),
+                     pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    lc._attn_implementation = config.attn_implementation
+    return lc
+
+
+class EagleLayer(nn.Module):
+    """The drafter's decoder layer. fused_input (EAGLE-3): attention reads concat(input_layernorm(embed),
+    hidden_norm(feature)), 2H wide; otherwise (EAGLE-1 layer 0) the fc output itself, without a norm."""
+
+    def __init__(self, lc: LlamaConfig, fused_input: bool):
+        super().__init__()
+        self.fused_input = fused_input
+        h = lc.hidden_size
+        self.self_attn = LlamaAttention(lc, layer_idx=0)
+        if fused_input:
+            self.input_layernorm = LlamaRMSNorm(h, eps=lc.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(h, eps=lc.rms_norm_eps)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(self.self_attn, name)
+                setattr(self.self_attn, name, nn.Linear(2 * h, old.out_features, bias=False))
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=lc.rms_norm_eps)
+        self.mlp = LlamaMLP(lc)
+
+    def forward(self, x, embeds, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        """x (B, T, H) the layer input (EAGLE-1: fc output; EAGLE-3: the feature g), embeds (B, T, H)."""
+        a = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1) if self.fused_input else x
+        attn, _ = self.self_attn(hidden_states=a, position_embeddings=position_embeddings,
+                                 attention_mask=attention_mask, cache=cache)
+        h = x + attn  # (B, T, H)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def causal_mask(batch: int, new: int, past: int, pad: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+    """4D additive mask (B, 1, new, past + new): query i sees keys j <= past + i (and, with a
+    (B, past + new) or (B, new) padding mask `pad`, only real keys besides itself). None when one
+    query needs no mask."""
+    if new == 1 and pad is None:
+        return None
+    q = torch.arange(new, device=device)[:, None] + past  # (new, 1)
+    allowed = (torch.arange(past + new, device=device)[None] <= q)[None].expand(batch, -1, -1)  # (B, new, kv)
+    if pad is not None:
+        pad = pad.bool().to(device)
+        if pad.shape[1] == new and past:
+            pad = torch.cat([pad.new_ones(batch, past), pad], dim=1)
+        allowed = (allowed & pad[:, None, :]) | (torch.arange(past + new, device=device)[None] == q)[None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class EagleDrafter(nn.Module):
-    """fc (+ fuse) -> one verifier-family decoder layer (+ its final norm) -> predicted feature."""
+    """fc -> one Llama decoder layer (-> norm for EAGLE-3) -> the predicted feature."""
 
     def __init__(self, config: EagleConfig, verifier_lm_head: nn.Linear | None = None):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        lc = self.layer_config = llama_layer_config(config)
+        if lc.hidden_size != h:
+            raise DraftsmithError(f"the EAGLE config's hidden_size {h} differs from its decoder_config's "
+                                  f"{lc.hidden_size}")
         if config.variant == "eagle3":
-            self.fuse = nn.Linear(len(config.fusion_layers) * h, h, bias=False)
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layer_config = layer_config(config)
-        # The family's model class built directly, not through from_config: under DeepSpeed ZeRO-3
-        # from_config would partition it at birth (with other random draws than a 1-process run).
-        self.decoder = MODEL_MAPPING[type(self.layer_config)](self.layer_config).float()
-        self.decoder.embed_tokens = None  # inputs come as embeddings: the verifier's, not stored here
+            self.fc = nn.Linear(len(config.fusion_layers) * h, h, bias=False)
+            self.midlayer = EagleLayer(lc, fused_input=True)
+            self.norm = LlamaRMSNorm(h, eps=lc.rms_norm_eps)
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+            self.layers = nn.ModuleList([EagleLayer(lc, fused_input=False)])
+        self.rotary_emb = LlamaRotaryEmbedding(lc)  # its inv_freq buffer is not persistent: not in the weights
         if config.draft_vocab_size is not None:
-            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))  # (N,)
+            n = config.draft_vocab_size
+            # offsets 0: the first N verifier ids until set_draft_vocab
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))  # (N,) offsets: target = i + d2t[i]
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < n)  # (V,) bool
         if config.lm_head == "own":
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-            if verifier_lm_head is not None:
-                self.init_lm_head(verifier_lm_head)
+        self.reset_parameters(lc.initializer_range)
+        if config.lm_head == "own" and verifier_lm_head is not None:
+            self.init_lm_head(verifier_lm_head)
 
-    def set_draft_vocab(self, d2t: torch.Tensor, verifier_lm_head: nn.Linear | None = None) -> None:
-        """d2t (N,): verifier ids of the draft vocabulary; re-initialises an own lm_head from them."""
-        if d2t.shape != self.d2t.shape:
-            raise DraftsmithError(f"draft vocabulary has {d2t.numel()} ids, method.draft_vocab_size is "
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """HF's initialisation: Linear weights N(0, std), biases 0, norms 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, LlamaRMSNorm):
+                m.weight.fill_(1.0)
+
+    @property
+    def layer(self) -> EagleLayer:
+        return self.midlayer if self.config.variant == "eagle3" else self.layers[0]
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """(N,) verifier ids of the draft vocabulary (absolute), from the stored offsets."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, ids: torch.Tensor, verifier_lm_head: nn.Linear | None = None) -> None:
+        """ids (N,): verifier ids of the draft vocabulary; re-initialises an own lm_head from them."""
+        if ids.shape != self.d2t.shape:
+            raise DraftsmithError(f"draft vocabulary has {ids.numel()} ids, method.draft_vocab_size is "
                                   f"{self.d2t.numel()}")
-        self.d2t.copy_(d2t)
+        ids = ids.to(self.d2t.device).long()
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
         if self.config.lm_head == "own" and verifier_lm_head is not None:
             self.init_lm_head(verifier_lm_head)
 
     @torch.no_grad()
     def init_lm_head(self, verifier_lm_head: nn.Linear) -> None:
-        self.lm_head.weight.copy_(verifier_lm_head.weight[self.d2t.to(verifier_lm_head.weight.device)])
+        self.lm_head.weight.copy_(verifier_lm_head.weight[self.target_ids.to(verifier_lm_head.weight.device)])
 
     def input_features(self, hidden: torch.Tensor | None, layer_hidden: torch.Tensor | None) -> torch.Tensor:
-        """The verifier's state the drafter reads: hidden (..., H) for EAGLE-1, fuse(layer_hidden
-        (..., L*H)) for EAGLE-3."""
+        """The verifier's state the drafter reads: hidden (..., H) for EAGLE-1, fc(layer_hidden
+        (..., L*H)) for EAGLE-3. The drafter's own outputs are fed back as they are."""
         if self.config.variant == "eagle3":
             if layer_hidden is None:
                 raise DraftsmithError("the EAGLE-3 drafter needs the verifier's fusion-layer states "
                                       f"(layers {self.config.fusion_layers}); none were given")
-            return self.fuse(layer_hidden.to(self.fuse.weight.dtype))
+            return self.fc(layer_hidden.to(self.fc.weight.dtype))
         return hidden.to(self.fc.weight.dtype)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
                 cache=None) -> torch.Tensor:
-        """embeds (B, T, H) of x_{t+1}, features (B, T, H) at t -> predicted features (B, T, H) at t+1.
+        """embeds (B, T, H) of x_{t+1}, features (B, T, H) at t -> predicted features (B, T, H) at t+1
+        (EAGLE-3: the pre-norm state; `logits` applies the norm).
 
-        attention_mask: (B, T) padding mask or a 4D additive mask (B, 1, T, past + T) for trees and
-        unrolled steps; position_ids (B, T); cache: a DynamicCache of this one layer (`new_cache`).
-        """
-        x = self.fc(torch.cat([embeds.to(self.fc.weight.dtype), features], dim=-1))  # (B, T, H)
-        out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
-                           cache=cache, use_cache=cache is not None)
-        return out.last_hidden_state  # (B, T, H), after the layer family's final norm
+        attention_mask: None (causal over the cache), a (B, T) padding mask, or a 4D additive mask
+        (B, 1, T, past + T) for trees and unrolled steps; position_ids (B, T), default past + arange(T);
+        cache: a Cache of this one layer (`new_cache`)."""
+        B, T, _ = embeds.shape
+        dtype = self.fc.weight.dtype
+        embeds, features = embeds.to(dtype), features.to(dtype)
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(T, device=embeds.device) + past)[None].expand(B, T)
+        if attention_mask is None or attention_mask.dim() == 2:
+            attention_mask = causal_mask(B, T, past, attention_mask, dtype, embeds.device)
+        x = features if self.config.variant == "eagle3" else self.fc(torch.cat([embeds, features], dim=-1))
+        position_embeddings = self.rotary_emb(x, position_ids)
+        return self.layer(x, embeds, position_embeddings, attention_mask, cache)  # (B, T, H)
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -157,6 +266,8 @@ class EagleDrafter(nn.Module):
 
     def logits(self, features: torch.Tensor, verifier_lm_head: nn.Module) -> torch.Tensor:
         """(..., H) -> (..., N) logits over the draft vocabulary (N = V without a reduced vocab)."""
+        if self.config.variant == "eagle3":
+            features = self.norm(features)
         mode = self.config.lm_head
         if mode == "own":
             return self.lm_head(features)
@@ -164,10 +275,9 @@ class EagleDrafter(nn.Module):
             raise DraftsmithError(f"this EAGLE drafter (lm_head={mode}) needs the verifier's lm_head at call time")
         weight = verifier_lm_head.weight
         if mode == "gathered":
-            weight = weight[self.d2t]  # (N, H)
+            weight = weight[self.target_ids]  # (N, H)
         return features.to(weight.dtype) @ weight.T
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> verifier ids (identity for the full vocabulary)."""
-        return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
-
+        return draft_ids if self.config.draft_vocab_size is None else draft_ids + self.d2t[draft_ids]

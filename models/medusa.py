@@ -1,17 +1,23 @@
 """Medusa heads (Cai et al. 2024): K extra decoding heads on the verifier's last hidden state.
 
 Head k (0-based) reads the final hidden state at position t and predicts token t+k+2 (the
-verifier's own lm_head predicts t+1). Each head is `num_layers` ResBlocks (x + SiLU(W x), W
-zero-initialised, so a fresh head starts as the verifier's lm_head) followed by a projection
+verifier's own lm_head predicts t+1). Each head is `num_layers` residual layers (x + SiLU(W x + b),
+W zero-initialised, so a fresh head starts as the verifier's lm_head) followed by a projection
 to the vocabulary: its own Linear initialised from the verifier's lm_head (`lm_head="own"`,
 as in Medusa), or the verifier's frozen lm_head itself (`lm_head="shared"`: ~K*V*h fewer
 trainable parameters, a checkpoint of a few MB; the projection is still paid at run time).
 
+The weights are named as vLLM's `MedusaModel` (vllm/model_executor/models/medusa.py) loads them:
+`blocks.{k}.layers.{l}.{weight,bias}` (config `medusa_fc_bias: true`), `lm_heads.{k}.weight`;
+a shared head is vLLM's `original_lm_head` (the export writes the verifier's rows as
+`lm_head.weight`).
+
 Reduced draft vocabulary (`draft_vocab_size=N`, EAGLE-3's trick, for every drafter here): the
 heads project onto the N most frequent target tokens of the training data only, cutting the
-V x h projection that dominates a small verifier's training step and each proposal. `d2t` (N,)
-maps draft ids to verifier ids and is saved with the heads. Decoding calls return logits over
-the full vocabulary with -inf outside the draft vocabulary, so proposers need not know.
+V x h projection that dominates a small verifier's training step and each proposal.
+`token_map` (N,) holds the verifier ids of the draft tokens (vLLM's name, with
+`truncated_vocab_size` = N). Decoding calls return logits over the full vocabulary with -inf
+outside the draft vocabulary, so proposers need not know.
 """
 from __future__ import annotations
 
@@ -50,30 +56,32 @@ class MedusaConfig:
         return self.draft_vocab_size or self.vocab_size
 
 
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b), W zero-initialised: the identity at initialisation."""
+class ResidualBlock(nn.Module):
+    """`num_layers` times x <- x + SiLU(W x + b), W and b zero-initialised: the identity at first."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, num_layers: int):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
 
 
 class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig, verifier_lm_head: nn.Linear | None = None,
-                 d2t: torch.Tensor | None = None):
+                 token_map: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         h, n = config.hidden_size, config.out_size
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        self.blocks = nn.ModuleList(ResidualBlock(h, config.num_layers) for _ in range(config.num_heads))
         if config.draft_vocab_size:
             # draft id -> verifier id; set from token counts by the trainer, loaded from the checkpoint later
-            self.register_buffer("d2t", torch.arange(n) if d2t is None else d2t.clone().long())
+            self.register_buffer("token_map", torch.arange(n) if token_map is None else token_map.clone().long())
         if config.lm_head == "own":
             self.lm_heads = nn.ModuleList(nn.Linear(h, n, bias=False) for _ in range(config.num_heads))
             if verifier_lm_head is not None:
@@ -84,10 +92,10 @@ class MedusaHeads(nn.Module):
 
     def _rows(self, weight: torch.Tensor) -> torch.Tensor:
         """(V, H) verifier lm_head weight -> (N, H) rows of the draft vocabulary."""
-        return weight[self.d2t] if self.config.draft_vocab_size else weight
+        return weight[self.token_map] if self.config.draft_vocab_size else weight
 
     def head_features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """(..., H) -> (..., H): head k's ResBlocks."""
+        """(..., H) -> (..., H): head k's residual layers."""
         return self.blocks[k](hidden)
 
     def project(self, features: torch.Tensor, k: int, lm_head: nn.Module | None) -> torch.Tensor:
@@ -110,7 +118,7 @@ class MedusaHeads(nn.Module):
         if not self.config.draft_vocab_size:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.d2t, logits)
+        return full.index_copy_(-1, self.token_map, logits)
 
     def forward(self, hidden: torch.Tensor | list[torch.Tensor], lm_head: nn.Module | None = None,
                 num_heads: int | None = None) -> torch.Tensor | list[torch.Tensor]:

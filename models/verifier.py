@@ -115,8 +115,10 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
 
 
 def default_fusion_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high layers: 2, L//2, L-3 (as in the EAGLE-3 and SpecForge code)."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """EAGLE-3's low / middle / high layers when none are named: the outputs of layers 1, L//2 - 1
+    and L - 4, i.e. HF hidden_states[2], [L//2], [L-3] -- the states the EAGLE-3 reference code,
+    vLLM and SGLang capture by default (each captures the INPUT of layers 2, L//2, L-3)."""
+    return [max(min(1, num_layers - 1), 0), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
 
 
 def cache_root(model_cfg=None) -> Path:

@@ -75,7 +75,7 @@ def soft_targets(drafter, target: dict, rows: torch.Tensor, lm_head) -> torch.Te
         feats = target["hidden"].flatten(0, 1)[rows]  # (N, H)
         probs = torch.softmax(lm_head(feats.to(lm_head.weight.dtype)).float(), dim=-1)  # (N, V)
     if drafter.config.draft_vocab_size is not None:
-        probs = probs[:, drafter.d2t]  # (N, N_draft)
+        probs = probs[:, drafter.target_ids]  # (N, N_draft)
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
     return probs
 

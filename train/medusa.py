@@ -120,7 +120,7 @@ def run(cfg: DictConfig) -> dict:
         t2d = target_to_draft(d2t, config.vocab_size).to(accelerator.device)
         vocab_note = (f"draft vocabulary of {config.draft_vocab_size:,} of {config.vocab_size:,} tokens covers "
                       f"{counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
-    heads = MedusaHeads(config, lm_head, d2t=d2t).to(accelerator.device)
+    heads = MedusaHeads(config, lm_head, token_map=d2t).to(accelerator.device)
 
     def loss_step(model, batch):
         """The loss step: frozen verifier features, then the heads' weighted CE."""

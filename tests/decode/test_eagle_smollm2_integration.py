@@ -35,7 +35,7 @@ def drafters(verifier, tmp_path_factory):
         _, drafter, config, meta = load_drafter(summary["drafter_dir"], verifier_fingerprint=verifier.fingerprint)
         assert meta["verifier_name"] == "smollm2-135m"
         if method == "eagle3":
-            assert config.fusion_layers == [2, 15, 27] and drafter.d2t.numel() == 4096
+            assert config.fusion_layers == [1, 14, 26] and drafter.d2t.numel() == 4096
         out[method] = drafter.eval()
     return out
 

@@ -50,7 +50,7 @@ def fitted_heads(model, num_heads: int = 4, steps: int = 100, seed: int = 0) -> 
     heads = MedusaHeads(MedusaConfig(model.config.hidden_size, vocab, num_heads=num_heads),
                         verifier_lm_head=model.lm_head).to(model.dtype)
     for block in heads.blocks:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.05)
+        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
     opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
     span = seqs.shape[1] - num_heads - 2
     for _ in range(steps):
@@ -215,7 +215,7 @@ def random_heads(model, seed: int = 0) -> MedusaHeads:
     heads = MedusaHeads(MedusaConfig(model.config.hidden_size, V, num_heads=4),
                         verifier_lm_head=model.lm_head).to(model.dtype)
     for block in heads.blocks:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
     return heads.eval().requires_grad_(False)
 
 

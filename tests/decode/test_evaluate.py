@@ -21,7 +21,7 @@ def drafter(tiny_model_dir, tmp_path):
     heads = MedusaHeads(cfg, model.get_output_embeddings())
     torch.manual_seed(1)
     for block in heads.blocks:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.05)
+        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
     return save_drafter(tmp_path / "drafter", "medusa", heads, cfg, verifier_fingerprint=fingerprint(model),
                         verifier_name="tiny")
 

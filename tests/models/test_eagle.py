@@ -30,10 +30,10 @@ def test_eagle1_shapes_and_nothing_of_the_verifier_stored():
     out = drafter(embeds, feats)
     assert out.shape == (2, 5, H)
     assert drafter.logits(out, model.lm_head).shape == (2, 5, V)
-    assert type(drafter.decoder.layers[0]) is type(model.model.layers[0]) and len(drafter.decoder.layers) == 1
     keys = drafter.state_dict().keys()
     assert not any("embed" in k or k.startswith("lm_head") for k in keys)
-    assert drafter.fc.weight.shape == (H, 2 * H)
+    assert drafter.fc.weight.shape == (H, 2 * H) and drafter.fc.bias is None  # vLLM's EAGLE-1: no fc bias
+    assert not any("input_layernorm" in k or k.startswith("norm") for k in keys)  # no layer-0 input norm, no final norm
 
 
 def test_eagle3_fusion_and_reduced_vocab():
@@ -50,10 +50,11 @@ def test_eagle3_fusion_and_reduced_vocab():
     logits = drafter.logits(drafter(torch.randn(1, 3, H, dtype=torch.float64), fused[None]), model.lm_head)
     assert logits.shape == (1, 3, 16)
     assert drafter.to_target_ids(torch.tensor([0, 15])).tolist() == [40, 55]
+    assert drafter.fc.weight.shape == (H, 3 * H) and drafter.midlayer.self_attn.q_proj.weight.shape[1] == 2 * H
     gathered = drafter_for(model, variant="eagle3", fusion_layers=[1], draft_vocab_size=16, lm_head="gathered")
     gathered.set_draft_vocab(d2t)
     x = torch.randn(4, H, dtype=torch.float64)
-    torch.testing.assert_close(gathered.logits(x, model.lm_head), model.lm_head(x)[:, 40:56])
+    torch.testing.assert_close(gathered.logits(x, model.lm_head), model.lm_head(gathered.norm(x))[:, 40:56])  # norm, then the rows
     with pytest.raises(DraftsmithError, match="needs the verifier's fusion-layer states"):
         drafter.input_features(torch.randn(3, H), None)
 
@@ -70,13 +71,17 @@ def test_config_errors_are_one_line():
         EagleConfig(H, V, cfg, draft_vocab_size=500, lm_head="own")
 
 
-def test_the_layer_follows_the_verifiers_family():
+def test_the_layer_is_a_llama_layer_with_the_verifiers_dimensions():
+    """The engines' EAGLE drafters are Llama layers whatever the verifier's family (SpecForge
+    trains Llama drafters for Qwen): the verifier gives the dimensions and rotary settings."""
     qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                                        sliding_window=16))
+                                        sliding_window=16, rope_theta=12345.0))
     drafter = EagleDrafter(EagleConfig(H, V, qwen.config.to_dict()))
-    assert type(drafter.decoder.layers[0]) is type(qwen.model.layers[0])
-    assert drafter.decoder.layers[0].self_attn.q_proj.bias is not None  # Qwen2's qkv bias, not a Llama layer
+    attn = drafter.layers[0].self_attn
+    assert attn.q_proj.bias is None and attn.k_proj.weight.shape == (2 * H // 4, H)  # 2 kv heads of 8
+    assert drafter.layer_config.rope_parameters["rope_theta"] == 12345.0
+    assert drafter.layer_config.intermediate_size == 64
     cache = drafter.new_cache()  # full attention: a compactable/croppable cache
     drafter(torch.randn(1, 4, H), torch.randn(1, 4, H), cache=cache)
     cache.crop(-2)
@@ -90,7 +95,9 @@ def test_checkpoint_round_trip_keeps_d2t(tmp_path):
     save_drafter(tmp_path / "d", "eagle", drafter, drafter.config, verifier_fingerprint="x", verifier_name="tiny")
     kind, loaded, config, _ = load_drafter(tmp_path / "d")
     assert kind == "eagle" and config == drafter.config
-    assert loaded.d2t.tolist() == list(range(100, 116))
+    assert loaded.target_ids.tolist() == list(range(100, 116))
+    assert loaded.d2t.tolist() == [100] * 16  # stored as the engines' offsets: target = i + d2t[i]
+    assert loaded.t2d.sum() == 16 and loaded.t2d[100:116].all()
     x, f = torch.randn(1, 3, H), torch.randn(1, 3, 3 * H)
     loaded_out = loaded(x, loaded.input_features(None, f))
     drafter = drafter.float()

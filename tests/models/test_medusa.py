@@ -66,7 +66,7 @@ def test_medusa_loss_matches_a_direct_computation():
     torch.testing.assert_close(loss, expected)
     assert stats["head0/count"] == 2 * 6 and stats["head1/count"] == 2 * 6  # labels start at 3
     loss.backward()
-    assert heads.blocks[0][0].linear.weight.grad.abs().sum() > 0
+    assert heads.blocks[0].layers[0].weight.grad.abs().sum() > 0
 
 
 def test_medusa_loss_split_over_processes_averages_to_the_full_batch_loss():
@@ -112,7 +112,7 @@ def test_reduced_draft_vocabulary():
     full = lm_head(hidden)  # (2, 5, V)
     for mode in ("own", "shared"):
         cfg = MedusaConfig(32, 128, num_heads=2, lm_head=mode, draft_vocab_size=3)
-        heads = MedusaHeads(cfg, lm_head, d2t=d2t).to(torch.float64)
+        heads = MedusaHeads(cfg, lm_head, token_map=d2t).to(torch.float64)
         train_logits = heads([hidden[0], hidden[1, :2]], lm_head)
         assert [t.shape for t in train_logits] == [(5, 3), (2, 3)]
         torch.testing.assert_close(train_logits[0], full[0][:, d2t])
@@ -122,7 +122,7 @@ def test_reduced_draft_vocabulary():
         outside = torch.ones(128, dtype=torch.bool)
         outside[d2t] = False
         assert torch.isinf(logits[..., outside]).all()
-        assert heads.state_dict()["d2t"].tolist() == [3, 7, 90]
+        assert heads.state_dict()["token_map"].tolist() == [3, 7, 90]  # vLLM's name
     try:
         MedusaConfig(32, 128, draft_vocab_size=129)
     except ValueError as e:
@@ -138,7 +138,7 @@ def test_medusa_loss_with_a_draft_vocabulary_skips_and_counts_missing_targets():
     model = tiny_llama()
     d2t = torch.arange(0, 128, 2)  # even ids only
     cfg = MedusaConfig(32, 128, num_heads=1, lm_head="own", draft_vocab_size=64)
-    heads = MedusaHeads(cfg, model.get_output_embeddings(), d2t=d2t).to(torch.float64)
+    heads = MedusaHeads(cfg, model.get_output_embeddings(), token_map=d2t).to(torch.float64)
     ids = torch.randint(0, 128, (2, 9))
     hidden = model.model(input_ids=ids).last_hidden_state
     t2d = target_to_draft(d2t, 128)
@@ -158,7 +158,7 @@ def test_reduced_vocabulary_heads_decode_losslessly():
     model = tiny_llama(eos_token_id=None)
     counts = torch.bincount(torch.randint(0, 128, (400,)), minlength=128)
     cfg = MedusaConfig(32, 128, num_heads=2, lm_head="shared", draft_vocab_size=48)
-    heads = MedusaHeads(cfg, d2t=draft_vocab(counts, 48)).to(torch.float64)
+    heads = MedusaHeads(cfg, token_map=draft_vocab(counts, 48)).to(torch.float64)
     for p in heads.parameters():
         p.data += 0.05 * torch.randn_like(p)
     proposer = make_proposer("medusa", heads=heads, paths=[[0], [1], [0, 0], [0, 1]],
@@ -168,4 +168,4 @@ def test_reduced_vocabulary_heads_decode_losslessly():
     ref = model.generate(ids, do_sample=False, max_new_tokens=30)[0, 6:].tolist()
     assert out.tokens == ref
     tree = proposer.propose(ref[-1], torch.randn(32, dtype=torch.float64), [])
-    assert set(tree.tokens[1:].tolist()) <= set(heads.d2t.tolist())  # drafts come from the draft vocabulary
+    assert set(tree.tokens[1:].tolist()) <= set(heads.token_map.tolist())  # drafts come from the draft vocabulary

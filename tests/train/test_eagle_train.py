@@ -2,6 +2,7 @@
 checkpoint (no verifier embedding / lm_head inside, d2t map for a reduced vocabulary), and the
 evaluator decoding with it (method=eagle, static and dynamic trees)."""
 import csv
+import json
 
 import pytest
 import torch
@@ -39,7 +40,9 @@ def test_eagle1_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tm
     assert kind == "eagle" and config.variant == "eagle1" and meta["metrics"]["step"] == 3
     state = load_file(str(out / "final" / "model.safetensors"))
     assert not any("embed" in k or k.startswith("lm_head") for k in state)  # shared, never stored
-    assert config.decoder_config["model_type"] == "llama" and len(drafter.decoder.layers) == 1
+    assert config.decoder_config["model_type"] == "llama" and len(drafter.layers) == 1
+    spec = json.loads((out / "final" / "config.json").read_text())
+    assert spec["architectures"] == ["EagleLlamaForCausalLM"] and spec["draftsmith"]["kind"] == "eagle"
     assert (out / "best" / "meta.json").is_file() and (out / "checkpoints" / "step-00000003").is_dir()
 
 
@@ -48,8 +51,8 @@ def test_eagle3_reduced_vocab_and_training_time_test(tiny_model_dir, tmp_path):
     summary = run(_cfg(tiny_model_dir, out, "eagle3", "method.draft_vocab_size=48", "method.fusion_layers=[0,1,-1]"))
     _, drafter, config, _ = load_drafter(summary["drafter_dir"])
     assert config.variant == "eagle3" and config.fusion_layers == [0, 1, 1] and config.draft_vocab_size == 48
-    assert drafter.fuse.weight.shape == (32, 3 * 32) and drafter.lm_head.weight.shape == (48, 32)
-    d2t = drafter.d2t
+    assert drafter.fc.weight.shape == (32, 3 * 32) and drafter.lm_head.weight.shape == (48, 32)
+    d2t = drafter.target_ids
     assert d2t.shape == (48,) and bool((d2t[1:] > d2t[:-1]).all()) and int(d2t.max()) < 128
     assert _train_losses(out)[-1] < _train_losses(out)[0]
     metrics = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["key"].startswith("train/step")]

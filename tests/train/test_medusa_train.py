@@ -32,7 +32,7 @@ def test_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tmp_path)
     assert kind == "medusa" and config.num_heads == 2 and meta["metrics"]["step"] == 3
     assert (out / "final" / "config.yaml").is_file() and (out / "best" / "meta.json").is_file()
     # the heads trained: the ResBlocks moved away from their zero init
-    assert any(b[0].linear.weight.abs().sum() > 0 for b in heads.blocks)
+    assert any(b.layers[0].weight.abs().sum() > 0 for b in heads.blocks)
     assert (out / "checkpoints" / "step-00000003" / "trainer_state.json").is_file()
 
 
@@ -62,13 +62,13 @@ def test_draft_vocabulary_is_the_most_frequent_training_targets(tiny_model_dir, 
     cfg = _cfg(tiny_model_dir, tmp_path / "run", "method.draft_vocab_size=20", "method.lm_head=shared")
     summary = run(cfg)
     _, heads, config, _ = load_drafter(summary["drafter_dir"])
-    assert config.draft_vocab_size == 20 and heads.d2t.shape == (20,)
+    assert config.draft_vocab_size == 20 and heads.token_map.shape == (20,)
     verifier = load_verifier(cfg.model)
     train_conv, _ = split_heldout(load_conversations(cfg.data), cfg.data)
     labels = torch.cat([torch.tensor(x) for x in tokenize_conversations(train_conv, verifier.tokenizer,
                                                                          cfg.data.max_length)["labels"]])
     counts = torch.bincount(labels[labels >= 0], minlength=128)
-    assert counts[heads.d2t].min() >= counts.sort(descending=True).values[19]  # no rarer token got in
+    assert counts[heads.token_map].min() >= counts.sort(descending=True).values[19]  # no rarer token got in
 
 
 def test_bad_method_value_is_one_line(tiny_model_dir, tmp_path):

@@ -1,0 +1,212 @@
+"""Drafter folders as the serving engines read them, and the public layouts draftsmith imports.
+
+One table per direction, facts read from the engines' loaders (not their code):
+
+  kind    ours = vLLM names                          vLLM loader                       SGLang loader
+  medusa  blocks.{k}.layers.{l}, lm_heads.{k},       models/medusa.py (MedusaModel)    none (refused)
+          token_map; shared head -> lm_head.weight
+          + original_lm_head
+  eagle1  fc (2H->H, no bias), layers.0.* without    models/llama_eagle.py             models/llama_eagle.py
+          input_layernorm, no final norm             (EagleLlamaForCausalLM)           (LlamaForCausalLMEagle)
+  eagle3  fc (3H->H), midlayer.*, norm, lm_head,     models/llama_eagle3.py            models/llama_eagle3.py
+          d2t offsets, t2d bool                      (LlamaForCausalLMEagle3)          (same architecture)
+  draft   a plain HF causal-LM folder                draft_model method                STANDALONE algorithm
+
+EAGLE-3 capture points: ours are verifier layer OUTPUTS (0-based, HF hidden_states[i + 1]);
+vLLM's `eagle_aux_hidden_state_layer_ids` (top level of config.json) name hidden_states[j],
+so j = i + 1; SGLang's (`eagle_config.eagle_aux_hidden_state_layer_ids`) add 1 themselves, so
+they are ours. A config naming none means hidden_states[2], [L//2], [L-3] in both engines =
+ours [1, L//2 - 1, L - 4] (models.verifier.default_fusion_layers).
+
+Public layouts imported (`import_public`): SpecForge / official EAGLE-3 folders, official
+EAGLE-1 folders (yuhuili/EAGLE-*: fc with a bias, pytorch_model.bin), FasterDecoding Medusa
+heads (medusa_lm_head.safetensors / .pt: `{k}.{l}.linear.*` then `{k}.{num_layers}.weight`),
+vLLM Medusa folders, and draftsmith's own folders (config.json carries a `draftsmith` block).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftsmith.models.errors import DraftsmithError
+
+ENGINES = ("vllm", "sglang")
+
+EAGLE_ARCHITECTURES = {"eagle1": {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"},
+                       "eagle3": {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3"}}
+
+
+def llama_keys(layer_config) -> dict:
+    """The Llama config keys both engines read for a one-layer EAGLE drafter."""
+    lc = layer_config
+    rope = dict(getattr(lc, "rope_parameters", None) or {})
+    out = {"model_type": "llama", "hidden_size": lc.hidden_size, "intermediate_size": lc.intermediate_size,
+           "num_hidden_layers": 1, "num_attention_heads": lc.num_attention_heads,
+           "num_key_value_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "hidden_act": lc.hidden_act,
+           "rms_norm_eps": lc.rms_norm_eps, "max_position_embeddings": lc.max_position_embeddings,
+           "vocab_size": lc.vocab_size, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+           "rope_theta": rope.get("rope_theta", 10000.0), "rope_parameters": rope}
+    if rope.get("rope_type", "default") != "default":  # transformers-4 readers (vLLM) take rope_scaling
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dtype: str = "float32") -> dict:
+    """config.json of a drafter folder for `engine` (draftsmith's own folders are the vLLM one)."""
+    if kind == "medusa":
+        if engine != "vllm":
+            raise DraftsmithError(f"format={engine} cannot express Medusa heads (no Medusa loader in {engine}); "
+                                  f"use format=vllm")
+        return {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": config.hidden_size,
+                "vocab_size": config.vocab_size, "num_heads": config.num_heads,
+                "num_hidden_layers": config.num_layers, "truncated_vocab_size": config.out_size,
+                "medusa_fc_bias": True, "original_lm_head": config.lm_head == "shared", "max_paths": 64, "topk": 10,
+                "torch_dtype": dtype}
+    if kind != "eagle":
+        raise DraftsmithError(f"no engine config for drafter kind {kind!r}")
+    out = {"architectures": [EAGLE_ARCHITECTURES[config.variant][engine]], **llama_keys(layer_config),
+           "torch_dtype": dtype}
+    if config.variant == "eagle3":
+        out.update(draft_vocab_size=config.num_draft_tokens, target_hidden_size=config.hidden_size)
+        if engine == "vllm":
+            out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.fusion_layers]
+            out["eagle_config"] = {"use_aux_hidden_state": True}
+        else:
+            out["eagle_config"] = {"use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": list(config.fusion_layers)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+
+
+def read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The first of `names` present in folder: safetensors, or a torch pickle of tensors only."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                return load_file(str(path))
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
+            raise DraftsmithError(f"drafter={folder}: {name} is unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(state, dict):
+            raise DraftsmithError(f"drafter={folder}: {name} holds no state dict")
+        return state
+    raise DraftsmithError(f"drafter={folder}: no weights ({' or '.join(names)})")
+
+
+def check_verifier(folder, hidden: int, vocab: int, verifier_dims: tuple[int, int] | None) -> None:
+    if verifier_dims is not None and (hidden, vocab) != tuple(verifier_dims):
+        raise DraftsmithError(f"drafter={folder} has hidden size {hidden} and a {vocab}-token vocabulary; the "
+                              f"verifier has {verifier_dims[0]} and {verifier_dims[1]}: it was trained for another "
+                              f"verifier")
+
+
+def import_medusa(folder: Path, spec: dict, state: dict, verifier_dims):
+    """FasterDecoding `{k}.{l}.linear.*` + `{k}.{L}.weight`, or vLLM `blocks.* / lm_heads.*` -> ours."""
+    from draftsmith.models.medusa import MedusaConfig
+
+    if any(k.startswith("blocks.") for k in state):  # vLLM MedusaModel
+        num_heads = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+        num_layers = len({k.split(".")[3] for k in state if k.startswith("blocks.0.layers.")})
+        out = {k: v for k, v in state.items() if k.startswith(("blocks.", "lm_heads.", "token_map"))}
+        shared = "lm_head.weight" in state or spec.get("original_lm_head", False)
+        if shared:
+            lm = state.get("lm_head.weight", state.get("lm_heads.0.weight"))
+            out = {k: v for k, v in out.items() if not k.startswith("lm_heads.")}
+            out.update({f"lm_heads.{k}.weight": lm for k in range(num_heads)})  # one head weight, own per head
+    else:  # FasterDecoding: medusa_head = ModuleList(Sequential(*[ResBlock] * L, Linear))
+        num_heads = 1 + max(int(k.split(".")[0]) for k in state)
+        num_layers = int(spec.get("medusa_num_layers", 1))
+        out = {}
+        for k in range(num_heads):
+            for layer in range(num_layers):
+                for p in ("weight", "bias"):
+                    out[f"blocks.{k}.layers.{layer}.{p}"] = state[f"{k}.{layer}.linear.{p}"]
+            out[f"lm_heads.{k}.weight"] = state[f"{k}.{num_layers}.weight"]
+    hidden = out["blocks.0.layers.0.weight"].shape[1] if num_layers else out["lm_heads.0.weight"].shape[1]
+    vocab = int(spec.get("vocab_size") or out["lm_heads.0.weight"].shape[0])
+    draft = out["token_map"].numel() if "token_map" in out and out["token_map"].numel() < vocab else None
+    if draft is None:
+        out.pop("token_map", None)
+    check_verifier(folder, hidden, vocab, verifier_dims)
+    config = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
+                          lm_head="own", draft_vocab_size=draft)
+    return "medusa", config, out
+
+
+def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_num_layers: int | None):
+    """Official / SpecForge EAGLE-1 and EAGLE-3 folders -> ours (an embed_tokens copy is dropped:
+    the verifier's is used, as both engines do)."""
+    from draftsmith.models.eagle import EagleConfig
+    from draftsmith.models.verifier import default_fusion_layers
+
+    state = {k.removeprefix("model."): v for k, v in state.items() if "embed_tokens" not in k}
+    hidden, vocab = int(spec["hidden_size"]), int(spec["vocab_size"])
+    check_verifier(folder, hidden, vocab, verifier_dims)
+    decoder = {k: v for k, v in spec.items() if k not in ("architectures", "draft_vocab_size", "eagle_config")}
+    decoder["model_type"] = "llama"
+    if "midlayer.hidden_norm.weight" in state:
+        if "eagle_aux_hidden_state_layer_ids" in spec:  # vLLM indexing: hidden_states[j] = output of j - 1
+            layers = [int(j) - 1 for j in spec["eagle_aux_hidden_state_layer_ids"]]
+        elif (spec.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):  # SGLang = ours
+            layers = [int(j) for j in spec["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        elif verifier_num_layers is not None:
+            layers = default_fusion_layers(verifier_num_layers)
+        else:
+            raise DraftsmithError(f"drafter={folder} names no capture layers; load it against a verifier "
+                                  f"(its layer count gives the engines' default)")
+        n = int(spec.get("draft_vocab_size") or vocab)
+        if "lm_head.weight" not in state:
+            if n < vocab:
+                raise DraftsmithError(f"drafter={folder}: a {n}-token draft vocabulary but no lm_head.weight")
+            config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers)  # verifier's lm_head
+            return "eagle", config, {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+        if n < vocab and "d2t" not in state:
+            raise DraftsmithError(f"drafter={folder}: draft_vocab_size {n} < vocabulary {vocab} but no d2t tensor")
+        state.setdefault("d2t", torch.zeros(n, dtype=torch.long))  # offsets 0: the first n ids (all of them)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[torch.arange(n) + state["d2t"].long()] = True
+        state["t2d"] = t2d  # recomputed from d2t: the two cannot disagree
+        config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers,
+                             draft_vocab_size=n, lm_head="own")
+        return "eagle", config, state
+    config = EagleConfig(hidden, vocab, decoder, variant="eagle1", fc_bias="fc.bias" in state)
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # EAGLE-1 uses the verifier's
+    return "eagle", config, state
+
+
+def import_public(folder: Path, verifier_dims: tuple[int, int] | None = None,
+                  verifier_num_layers: int | None = None):
+    """-> (kind, config, state) for a folder in one of the public layouts, or None if none matches
+    (then the caller treats it as a plain HF draft model)."""
+    spec = {}
+    if (folder / "config.json").is_file():
+        try:
+            spec = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise DraftsmithError(f"drafter={folder}: config.json is corrupt ({e})") from None
+    if any((folder / f).is_file() for f in ("medusa_lm_head.safetensors", "medusa_lm_head.pt")):
+        return import_medusa(folder, spec, read_weights(folder, ("medusa_lm_head.safetensors", "medusa_lm_head.pt")),
+                             verifier_dims)
+    arch = " ".join(spec.get("architectures") or [])
+    if spec.get("model_type") == "medusa" or "MedusaModel" in arch:
+        return import_medusa(folder, spec, read_weights(folder, ("model.safetensors", "pytorch_model.bin")),
+                             verifier_dims)
+    weights = ("model.safetensors", "pytorch_model.bin")
+    if "Eagle" in arch or "eagle_config" in spec:
+        return import_eagle(folder, spec, read_weights(folder, weights), verifier_dims, verifier_num_layers)
+    if spec and int(spec.get("num_hidden_layers", 0)) == 1 and any((folder / w).is_file() for w in weights):
+        state = read_weights(folder, weights)
+        if "fc.weight" in state or "model.fc.weight" in state:  # official EAGLE-1: architectures LlamaForCausalLM
+            return import_eagle(folder, spec, state, verifier_dims, verifier_num_layers)
+    return None
