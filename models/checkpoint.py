@@ -153,9 +153,11 @@ def load_drafter(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = Non
     if public is None:
         return load_draft_folder(ckpt_dir, verifier_fingerprint, allow_mismatch, verifier_dims, dtype)
     kind, config, state = public
-    module = build_module(ckpt_dir, kind, config, state)
-    return Drafter(kind, module, config, {"kind": kind, "imported_from": str(ckpt_dir),
-                                          "note": "public checkpoint, not trained by draftsmith"})
+    meta = {"kind": kind, "imported_from": str(ckpt_dir), "note": "public checkpoint, not trained by draftsmith"}
+    if (ckpt_dir / "export.json").is_file():  # exported by scripts/export.py: it knows its verifier
+        meta = {**json.loads((ckpt_dir / "export.json").read_text()), "imported_from": str(ckpt_dir)}
+        check_fingerprint(ckpt_dir, meta, verifier_fingerprint, allow_mismatch)
+    return Drafter(kind, build_module(ckpt_dir, kind, config, state), config, meta)
 
 
 def read_config(ckpt_dir: Path) -> dict:

@@ -120,10 +120,12 @@ def import_medusa(folder: Path, spec: dict, state: dict, verifier_dims):
         num_layers = len({k.split(".")[3] for k in state if k.startswith("blocks.0.layers.")})
         out = {k: v for k, v in state.items() if k.startswith(("blocks.", "lm_heads.", "token_map"))}
         shared = "lm_head.weight" in state or spec.get("original_lm_head", False)
-        if shared:
+        if shared:  # one head weight (vLLM gathers a full-vocabulary one by token_map): own rows per head
             lm = state.get("lm_head.weight", state.get("lm_heads.0.weight"))
+            if "token_map" in state and lm.shape[0] > state["token_map"].numel():
+                lm = lm[state["token_map"].long()]
             out = {k: v for k, v in out.items() if not k.startswith("lm_heads.")}
-            out.update({f"lm_heads.{k}.weight": lm for k in range(num_heads)})  # one head weight, own per head
+            out.update({f"lm_heads.{k}.weight": lm.clone() for k in range(num_heads)})
     else:  # FasterDecoding: medusa_head = ModuleList(Sequential(*[ResBlock] * L, Linear))
         num_heads = 1 + max(int(k.split(".")[0]) for k in state)
         num_layers = int(spec.get("medusa_num_layers", 1))

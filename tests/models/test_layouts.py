@@ -1,0 +1,376 @@
+"""Engine layouts (models/layouts.py, scripts/export.py): what each export writes is checked
+against the engines' loaders, written here as data with the file each fact comes from; export ->
+import round trips decode token-identically with the same logits (tiny fp64 models); public
+checkpoints built by hand in their published layouts import and reproduce a reference forward
+written from the published formulas, independently of models/eagle.py and models/medusa.py."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from draftsmith.decode.engine import generate
+from draftsmith.models.checkpoint import load_drafter, save_drafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.verifier import fingerprint
+from draftsmith.models.vocab import draft_vocab
+from scripts.export import run as export
+from tests.conftest import tiny_model_overrides
+from tests.decode.test_eagle_decode import fitted_drafter, greedy_corpus
+from tests.hub import compose_config
+
+H, V, HEADS, KV, HD, INTER = 32, 128, 4, 2, 8, 64  # tests/tiny.py's Llama
+
+# ------------------------------------------------------------------ the engines' expectations (data)
+# Each: the source file read, config keys (value or None = present), weight name -> shape, dtype kind.
+ATTN_2H = {"self_attn.q_proj.weight": (HEADS * HD, 2 * H), "self_attn.k_proj.weight": (KV * HD, 2 * H),
+           "self_attn.v_proj.weight": (KV * HD, 2 * H), "self_attn.o_proj.weight": (H, HEADS * HD)}
+ATTN_H = {"self_attn.q_proj.weight": (HEADS * HD, H), "self_attn.k_proj.weight": (KV * HD, H),
+          "self_attn.v_proj.weight": (KV * HD, H), "self_attn.o_proj.weight": (H, HEADS * HD)}
+MLP = {"mlp.gate_proj.weight": (INTER, H), "mlp.up_proj.weight": (INTER, H), "mlp.down_proj.weight": (H, INTER),
+       "post_attention_layernorm.weight": (H,)}
+N = 48  # the reduced draft vocabulary of the EAGLE-3 and Medusa cases
+EAGLE3_WEIGHTS = {"fc.weight": (H, 3 * H), **{f"midlayer.{k}": v for k, v in {**ATTN_2H, **MLP}.items()},
+                  "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,), "norm.weight": (H,),
+                  "lm_head.weight": (N, H), "d2t": (N,), "t2d": (V,)}
+ENGINES = {
+    "vllm-eagle3": {
+        "source": "vllm/model_executor/models/llama_eagle3.py (weights, fc 3*target_hidden_size, midlayer. -> "
+                  "layers.0., d2t -> draft_id_to_target_id, t2d skipped); vllm/v1/worker/gpu_model_runner.py "
+                  "(_get_eagle3_aux_layers_from_config: top-level eagle_aux_hidden_state_layer_ids, id j = "
+                  "hidden_states[j])",
+        "config": {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                   "draft_vocab_size": N, "vocab_size": V, "hidden_size": H, "target_hidden_size": H,
+                   "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
+                   "eagle_aux_hidden_state_layer_ids": [1, 2, 2], "rms_norm_eps": None, "rope_theta": None},
+        "weights": EAGLE3_WEIGHTS},
+    "sglang-eagle3": {
+        "source": "python/sglang/srt/models/llama_eagle3.py (midlayer, fc, norm, lm_head, d2t offsets: "
+                  "hot_token_id = d2t + arange); python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture: "
+                  "layers_to_capture = [id + 1 for id in layer_ids], from eagle_config)",
+        "config": {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                   "draft_vocab_size": N, "vocab_size": V, "hidden_size": H,
+                   "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}},
+        "absent_config": ["eagle_aux_hidden_state_layer_ids"],
+        "weights": EAGLE3_WEIGHTS},
+    "vllm-eagle1": {
+        "source": "vllm/model_executor/models/llama_eagle.py (fc 2H->H bias=False; layer 0 input_layernorm is "
+                  "Identity; no final norm; embed_tokens and lm_head shared with the target)",
+        "config": {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                   "vocab_size": V, "hidden_size": H},
+        "weights": {"fc.weight": (H, 2 * H), **{f"layers.0.{k}": v for k, v in {**ATTN_H, **MLP}.items()}}},
+    "vllm-medusa": {
+        "source": "vllm/model_executor/models/medusa.py (ResidualBlock layers, bias if medusa_fc_bias; "
+                  "original_lm_head -> one lm_head; token_map with truncated_vocab_size); "
+                  "vllm/transformers_utils/configs/medusa.py (num_heads, num_hidden_layers, truncated_vocab_size)",
+        "config": {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": 3, "num_hidden_layers": 2,
+                   "hidden_size": H, "vocab_size": V, "truncated_vocab_size": N, "medusa_fc_bias": True,
+                   "original_lm_head": True},
+        "weights": {**{f"blocks.{k}.layers.{l}.{p}": (H, H) if p == "weight" else (H,)
+                       for k in range(3) for l in range(2) for p in ("weight", "bias")},
+                    "lm_head.weight": (V, H), "token_map": (N,)}},
+}
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_model_dir):
+    """The tiny saved verifier in fp64 (the exported lm_head rows are its fp32 weights, exactly)."""
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def drafters(verifier, tiny_model_dir, tmp_path_factory):
+    """Native drafter folders of each kind, fitted/perturbed so that decoding accepts and rejects."""
+    root = tmp_path_factory.mktemp("drafters")
+    fp = fingerprint(verifier)
+    out = {}
+    e3 = fitted_drafter(verifier, "eagle3", steps=40, ttt=2, draft_vocab_size=N)
+    e3.config.fusion_layers = [0, 1, 1]
+    out["eagle3"] = save_drafter(root / "eagle3", "eagle", e3, e3.config, verifier_fingerprint=fp, verifier_name="tiny")
+    e1 = fitted_drafter(verifier, "eagle1", steps=40)
+    out["eagle1"] = save_drafter(root / "eagle1", "eagle", e1, e1.config, verifier_fingerprint=fp, verifier_name="tiny")
+    cfg = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3, num_layers=2, lm_head="shared", draft_vocab_size=N)
+    counts = torch.bincount(greedy_corpus(verifier).flatten(), minlength=V)  # the tokens the verifier writes
+    heads = MedusaHeads(cfg, token_map=draft_vocab(counts, N))
+    torch.manual_seed(1)
+    for block in heads.blocks:
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.02)
+    out["medusa"] = save_drafter(root / "medusa", "medusa", heads.double(), cfg, verifier_fingerprint=fp,
+                                 verifier_name="tiny")
+    return out
+
+
+def _export(tiny_model_dir, drafter, fmt, out, *extra):
+    return export(compose_config("export", tiny_model_overrides(tiny_model_dir) + [
+        f"drafter={drafter}", f"format={fmt}", f"output_dir={out}", "dtype=null", *extra]))
+
+
+@pytest.mark.parametrize("case", list(ENGINES))
+def test_export_matches_the_engines_loader(case, drafters, tiny_model_dir, tmp_path):
+    fmt, kind = case.split("-")
+    summary = _export(tiny_model_dir, drafters[kind], fmt, tmp_path / case)
+    expected = ENGINES[case]
+    spec = json.loads((tmp_path / case / "config.json").read_text())
+    for key, value in expected["config"].items():
+        assert key in spec, (case, key, expected["source"])
+        if value is not None:
+            assert spec[key] == value, (case, key, expected["source"])
+    assert not set(expected.get("absent_config", [])) & set(spec), case
+    state = load_file(str(tmp_path / case / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected["weights"], expected["source"]
+    for name in ("d2t", "token_map"):
+        if name in state:
+            assert state[name].dtype == torch.int64
+    if "t2d" in state:
+        assert state["t2d"].dtype == torch.bool
+    assert summary["serve"] in (tmp_path / case / "README.md").read_text()
+    head = {"vllm": "vllm serve tiny --speculative-config '{\"method\": ",
+            "sglang": "python -m sglang.launch_server --model-path tiny --speculative-algorithm EAGLE3"}[fmt]
+    assert summary["serve"].startswith(head)
+
+
+def test_d2t_is_stored_as_offsets(drafters):
+    native = load_file(str(drafters["eagle3"] / "model.safetensors"))
+    drafter = load_drafter(drafters["eagle3"]).module
+    ids = torch.arange(N)
+    assert torch.equal(drafter.to_target_ids(ids), ids + native["d2t"])  # target = i + d2t[i]
+    assert not torch.equal(native["d2t"], drafter.to_target_ids(ids))  # offsets, not absolute ids
+    assert torch.equal(native["t2d"].nonzero().flatten(), drafter.to_target_ids(ids).sort().values)
+
+
+def _decode(verifier, proposer, seed: int, n: int = 30):
+    ids = torch.randint(4, 100, (1, 10), generator=torch.Generator().manual_seed(seed))
+    out = generate(verifier, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
+    ref = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                            eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:].tolist()
+    assert out.tokens == ref  # lossless
+    return out.tokens, [s.accepted for s in out.steps]
+
+
+class _Verifier:
+    """What Drafter.proposer reads of a verifier."""
+
+    def __init__(self, model):
+        self.model, self.lm_head, self.embed_tokens = model, model.lm_head, model.get_input_embeddings()
+
+
+@pytest.mark.parametrize("case", ["vllm-eagle3", "sglang-eagle3", "vllm-eagle1", "vllm-medusa"])
+def test_export_import_round_trip_decodes_identically(case, drafters, verifier, tiny_model_dir, tmp_path):
+    from omegaconf import OmegaConf
+
+    fmt, kind = case.split("-")
+    _export(tiny_model_dir, drafters[kind], fmt, tmp_path / case)
+    original = load_drafter(drafters[kind], verifier_fingerprint=fingerprint(verifier))
+    imported = load_drafter(tmp_path / case, verifier_fingerprint=fingerprint(verifier), verifier_dims=(H, V))
+    assert imported.kind == original.kind and imported.meta["format"] == fmt
+    decode = OmegaConf.create({"name": "t", "depth": 3, "top_k": 3, "total_tokens": 8} if kind != "medusa" else
+                              {"name": "t", "paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]})
+    v = _Verifier(verifier)
+    steps = []
+    for seed in (1, 2):
+        a = _decode(verifier, original.proposer(v, decode), seed)
+        b = _decode(verifier, imported.proposer(v, decode), seed)
+        assert a == b, case  # the same proposals: the same accepted counts step by step
+        steps += a[1]
+    if kind != "medusa":  # (untrained Medusa heads propose what is rarely accepted: the logits below decide)
+        assert max(steps) >= 1 and min(steps) == 0  # drafts accepted and rejected
+    # the same logits, from the same verifier states
+    hidden = torch.randn(5, H, dtype=torch.float64)
+    with torch.no_grad():
+        if kind == "medusa":
+            torch.testing.assert_close(imported.module.double()(hidden, verifier.lm_head),
+                                       original.module.double()(hidden, verifier.lm_head), rtol=0, atol=1e-12)
+        else:
+            a, b = original.module.double(), imported.module.double()
+            src = torch.randn(5, 3 * H, dtype=torch.float64) if kind == "eagle3" else hidden
+            emb = torch.randn(1, 5, H, dtype=torch.float64)
+            fa = a(emb, a.input_features(hidden, src)[None])
+            fb = b(emb, b.input_features(hidden, src)[None])
+            torch.testing.assert_close(b.logits(fb, verifier.lm_head), a.logits(fa, verifier.lm_head), rtol=0,
+                                       atol=1e-12)
+
+
+def test_draft_model_exports_as_a_plain_hf_folder(tiny_model_dir, verifier, tmp_path):
+    from draftsmith.models.draft import build_student, save_draft_model
+    from omegaconf import OmegaConf
+    from tests.tiny import tiny_tokenizer
+
+    student = build_student(verifier.float(), tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    verifier.double()
+    src = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
+                           verifier_name="tiny")
+    summary = _export(tiny_model_dir, src, "hf", tmp_path / "hf")
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "heuristic"
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "assistant_model=" in summary["serve"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # loads as it stands
+    ids = torch.randint(4, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, student(ids).logits)
+    assert load_drafter(tmp_path / "hf").kind == "draft"
+
+
+@pytest.mark.parametrize("kind,fmt,needle", [
+    ("medusa", "sglang", "format=sglang cannot express Medusa"),
+    ("medusa", "hf", "format=hf cannot express a medusa drafter"),
+    ("eagle3", "hf", "format=hf cannot express a eagle drafter"),
+])
+def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, drafters, tiny_model_dir, tmp_path):
+    with pytest.raises(DraftsmithError, match=needle) as info:
+        _export(tiny_model_dir, drafters[kind], fmt, tmp_path / "x")
+    assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
+
+
+def test_old_eagle_layout_is_refused_with_how_to_convert(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"kind": "eagle", "config": {}}))
+    save_file({"fuse.weight": torch.zeros(2, 2)}, str(tmp_path / "old" / "model.safetensors"))
+    (tmp_path / "old" / "meta.json").write_text("{}")
+    with pytest.raises(DraftsmithError, match="0.1 EAGLE layout.*retrain it with python train/eagle.py"):
+        load_drafter(tmp_path / "old")
+
+
+def test_old_medusa_names_load(tmp_path):
+    cfg = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2, num_layers=1, draft_vocab_size=N)
+    heads = MedusaHeads(cfg)
+    torch.nn.init.normal_(heads.blocks[1].layers[0].weight)
+    folder = save_drafter(tmp_path / "m", "medusa", heads, cfg, verifier_fingerprint="x", verifier_name="tiny")
+    state = {k.replace(".layers.0.", ".0.linear.").replace("token_map", "d2t"): v
+             for k, v in load_file(str(folder / "model.safetensors")).items()}  # the 0.1 names
+    save_file(state, str(folder / "model.safetensors"))
+    from dataclasses import asdict
+
+    (folder / "config.json").write_text(json.dumps({"kind": "medusa", "config": asdict(cfg)}))
+    with pytest.warns(UserWarning, match="0.1 Medusa"):
+        loaded = load_drafter(folder).module
+    x = torch.randn(3, H)
+    torch.testing.assert_close(loaded.blocks[1](x), heads.blocks[1](x))
+
+
+# ------------------------------------------------------------------ public layouts, reference forwards
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, theta=10000.0):
+    """x (heads, T, d) at positions 0..T-1: the rotate-half rotary embedding."""
+    d, t = x.shape[-1], x.shape[-2]
+    angle = torch.arange(t, dtype=torch.float64)[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rotated * sin
+
+
+def attention(w, prefix, a):
+    """Causal GQA self-attention of one sequence a (T, in)."""
+    t = a.shape[0]
+    q = rope((a @ w[prefix + "q_proj.weight"].T).view(t, HEADS, HD).transpose(0, 1))
+    k = rope((a @ w[prefix + "k_proj.weight"].T).view(t, KV, HD).transpose(0, 1)).repeat_interleave(HEADS // KV, 0)
+    v = (a @ w[prefix + "v_proj.weight"].T).view(t, KV, HD).transpose(0, 1).repeat_interleave(HEADS // KV, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(HD) + torch.full((t, t), float("-inf")).triu(1)
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, HEADS * HD) @ w[prefix + "o_proj.weight"].T
+
+
+def mlp(w, prefix, x):
+    return (F.silu(x @ w[prefix + "gate_proj.weight"].T) * (x @ w[prefix + "up_proj.weight"].T)) @ \
+        w[prefix + "down_proj.weight"].T
+
+
+def random_state(shapes: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(s, generator=g, dtype=torch.float64) * 0.2 if not k.endswith("norm.weight")
+                else 1 + 0.1 * torch.randn(s, generator=g, dtype=torch.float64)) for k, s in shapes.items()}
+
+
+LLAMA_CONFIG = {"hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+                "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": V, "rope_theta": 10000.0,
+                "max_position_embeddings": 512, "hidden_act": "silu", "model_type": "llama"}
+
+
+def test_specforge_eagle3_folder_imports_and_matches_the_published_forward(tmp_path):
+    """SpecForge / official EAGLE-3: no capture ids in config.json (the engines' default),
+    d2t offsets, embed_tokens saved beside (dropped: the verifier's is used)."""
+    shapes = {k: v for k, v in EAGLE3_WEIGHTS.items() if k not in ("d2t", "t2d")}
+    w = random_state(shapes, 0)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:N].sort().values
+    d2t = ids - torch.arange(N)
+    save_file({**{k: v.float() for k, v in w.items()}, "d2t": d2t, "embed_tokens.weight": torch.zeros(V, H)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": ["LlamaForCausalLMEagle3"],
+                                                      "draft_vocab_size": N}))
+    drafter = load_drafter(tmp_path, verifier_dims=(H, V), verifier_num_layers=30)
+    assert drafter.kind == "eagle" and drafter.config.fusion_layers == [1, 14, 26]  # hidden_states[2, 15, 27]
+    module = drafter.module.double()
+    w = {k: v.float().double() for k, v in w.items()}
+    states, emb = torch.randn(6, 3 * H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
+    g = states @ w["fc.weight"].T
+    a = torch.cat([rms(emb, w["midlayer.input_layernorm.weight"]), rms(g, w["midlayer.hidden_norm.weight"])], -1)
+    h = g + attention(w, "midlayer.self_attn.", a)
+    p = h + mlp(w, "midlayer.mlp.", rms(h, w["midlayer.post_attention_layernorm.weight"]))
+    logits = rms(p, w["norm.weight"]) @ w["lm_head.weight"].T  # (6, N)
+    with torch.no_grad():
+        ours = module(emb[None], module.input_features(None, states)[None])[0]
+        # (HF computes the rotary tables in fp32: agreement to ~1e-6, not to fp64 rounding)
+        torch.testing.assert_close(ours, p, rtol=0, atol=1e-5)  # the pre-norm state is what is fed back
+        torch.testing.assert_close(module.logits(ours, None), logits, rtol=0, atol=1e-5)
+    assert torch.equal(module.to_target_ids(torch.arange(N)), ids)  # target = i + d2t[i]
+
+
+def test_official_eagle1_folder_imports_with_its_fc_bias(tmp_path):
+    shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,), **{f"layers.0.{k}": v for k, v in {**ATTN_H, **MLP}.items()}}
+    w = random_state(shapes, 2)
+    torch.save({k: v.float() for k, v in w.items()}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": ["LlamaForCausalLM"]}))
+    drafter = load_drafter(tmp_path, verifier_dims=(H, V))
+    assert drafter.kind == "eagle" and drafter.config.variant == "eagle1" and drafter.config.fc_bias
+    module = drafter.module.double()
+    w = {k: v.float().double() for k, v in w.items()}
+    feats, emb = torch.randn(6, H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
+    x = torch.cat([emb, feats], -1) @ w["fc.weight"].T + w["fc.bias"]
+    h = x + attention(w, "layers.0.self_attn.", x)  # no input norm on layer 0
+    out = h + mlp(w, "layers.0.mlp.", rms(h, w["layers.0.post_attention_layernorm.weight"]))  # no final norm
+    with torch.no_grad():
+        torch.testing.assert_close(module(emb[None], feats[None])[0], out, rtol=0, atol=1e-5)  # fp32 rotary tables
+    with pytest.raises(DraftsmithError, match=r"hidden size 32 and a 128-token vocabulary; the verifier has 64 and "
+                                              r"128") as info:
+        load_drafter(tmp_path, verifier_dims=(64, V))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("layout", ["fasterdecoding", "vllm"])
+def test_medusa_folders_import_and_match_the_published_forward(layout, tmp_path):
+    k_heads, layers = 3, 2
+    w = random_state({**{f"{k}.{l}.linear.{p}": (H, H) if p == "weight" else (H,) for k in range(k_heads)
+                         for l in range(layers) for p in ("weight", "bias")},
+                      **{f"{k}.{layers}.weight": (V, H) for k in range(k_heads)}}, 3)
+    w = {k: v.float() for k, v in w.items()}
+    if layout == "fasterdecoding":  # medusa_head = ModuleList(Sequential(*ResBlocks, Linear))
+        save_file(w, str(tmp_path / "medusa_lm_head.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": k_heads, "medusa_num_layers": layers,
+                                                          "base_model_name_or_path": "tiny"}))
+    else:
+        state = {}
+        for name, v in w.items():
+            k, l, *rest = name.split(".")
+            state[f"blocks.{k}.layers.{l}.{rest[-1]}" if rest[0] == "linear" else f"lm_heads.{k}.weight"] = v
+        save_file(state, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"], "model_type": "medusa",
+                                                          "num_heads": k_heads, "num_hidden_layers": layers,
+                                                          "hidden_size": H, "vocab_size": V, "medusa_fc_bias": True}))
+    heads = load_drafter(tmp_path, verifier_dims=(H, V)).module.double()
+    hidden = torch.randn(4, H, dtype=torch.float64)
+    with torch.no_grad():
+        ours = heads(hidden)  # (K, 4, V)
+    w = {k: v.double() for k, v in w.items()}
+    for k in range(k_heads):
+        x = hidden
+        for l in range(layers):
+            x = x + F.silu(x @ w[f"{k}.{l}.linear.weight"].T + w[f"{k}.{l}.linear.bias"])
+        torch.testing.assert_close(ours[k], x @ w[f"{k}.{layers}.weight"].T, rtol=0, atol=1e-10)
