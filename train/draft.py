@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from draftsmith.models.draft import build_student, save_draft_model
+from draftsmith.models.draft import build_student
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
@@ -154,17 +154,6 @@ def run(cfg: DictConfig) -> dict:
         return loss, {"train/acceptance_rate": stats["accept_sum"] / max(stats["count"], 1),
                       "train/on_policy": float(on_policy["now"])}
 
-    def save(model, metrics: dict, name: str) -> str:
-        out = f"{cfg.output_dir}/{name}"
-        state = accelerator.get_state_dict(model)  # every process: ZeRO-3 gathers the shards here
-        if accelerator.is_main_process:
-            save_draft_model(out, accelerator.unwrap_model(model), verifier.tokenizer, state_dict=state,
-                             verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
-                             meta={"method": mcfg.name, "divergence": mcfg.divergence, "metrics": metrics},
-                             resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
-        accelerator.wait_for_everyone()
-        return out
-
     def report(m: dict) -> str:
         return (f"held-out acceptance rate {m.get('eval/acceptance_rate', float('nan')):.3f}, greedy agreement "
                 f"{m.get('eval/greedy_agreement', float('nan')):.3f}")
@@ -173,7 +162,8 @@ def run(cfg: DictConfig) -> dict:
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=student, param_groups=[{"params": [p for p in student.parameters() if p.requires_grad]}],
         loss_step=loss_step, prepare_batch=prepare_batch,
-        evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg), save=save,
+        evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg),
+        save=loop.drafter_saver(cfg, accelerator, "draft", None, verifier, divergence=mcfg.divergence),
         best_key="eval/acceptance_rate", report=report,
         describe=f"{mcfg.student.init} student of a {verifier_params:,}-param verifier, {mcfg.divergence} at "
                  f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; verifier {verifier.name} "

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.models.checkpoint import save_drafter
+from draftsmith.models.draft import save_draft_model
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import load_verifier
@@ -177,21 +178,29 @@ def top1_report(metrics: dict, key: str, tag: str, n: int) -> str:
     return f"held-out top-1 {top1}, simulated tau {metrics.get('eval/simulated_tau', nan):.2f}"
 
 
-def drafter_saver(cfg, accelerator, kind: str, config, verifier):
-    """A Recipe.save for drafter checkpoints of `kind` (see save_drafter_dir)."""
-    return lambda model, metrics, name: save_drafter_dir(cfg, accelerator, model, kind, config, verifier, metrics, name)
+def drafter_saver(cfg, accelerator, kind: str, config, verifier, **meta):
+    """The Recipe.save of every trainer: drafter folders of `kind` (see save_drafter_dir)."""
+    return lambda model, metrics, name: save_drafter_dir(cfg, accelerator, model, kind, config, verifier, metrics,
+                                                         name, meta)
 
 
-def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metrics: dict, name: str) -> str:
-    """output_dir/<name> (final, best) as a drafter checkpoint of `kind`, from every process:
-    ZeRO-3 gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that
-    would be a collective on one rank)."""
+def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metrics: dict, name: str,
+                     meta: dict | None = None) -> str:
+    """output_dir/<name> (final, best, snapshots/step-N) as a drafter folder of `kind`, with the
+    verifier's fingerprint, the metrics and the resolved config, from every process: ZeRO-3
+    gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that would be a
+    collective on one rank). Draft models are HF folders (models/draft.py), the rest
+    models/checkpoint.py folders: both in the engines' layouts."""
     out = f"{cfg.output_dir}/{name}"
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_drafter(out, kind, None, config, state_dict=state, verifier_fingerprint=verifier.fingerprint,
-                     verifier_name=verifier.name, meta={"method": cfg.method.name, "metrics": metrics},
-                     resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+        common = dict(state_dict=state, verifier_fingerprint=verifier.fingerprint, verifier_name=verifier.name,
+                      meta={"method": cfg.method.name, **(meta or {}), "metrics": metrics},
+                      resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+        if kind == "draft":
+            save_draft_model(out, accelerator.unwrap_model(model), verifier.tokenizer, **common)
+        else:
+            save_drafter(out, kind, None, config, **common)
     accelerator.wait_for_everyone()
     return out
 
