@@ -188,8 +188,10 @@ def run(cfg: DictConfig) -> dict:
     identity = {name: [] for name in [*runs, *hf_runs]}
     categories: dict[str, dict[str, list]] = {}
     records = open(out_dir / "outputs.jsonl", "w")
+    prompts_ids = []
     for i, prompt in enumerate(tqdm(prompts, desc=f"evaluate {method}")):
         ids = prompt_ids(tokenizer, prompt["messages"]).to(model.device)
+        prompts_ids.append(ids)
         order = list(runs) if i % 2 == 0 else list(reversed(runs))  # interleave, alternate who goes first
         for s in range(cfg.num_samples):
             seed = cfg.seed * 1_000_003 + i * 1_009 + s
@@ -250,6 +252,13 @@ def run(cfg: DictConfig) -> dict:
         stats = {name: summarize(outs) for name, outs in by_method.items()}
         report["per_category"][cat] = {name: {"tau": st["tau"], "tokens_per_s": st["tokens_per_s"]}
                                        for name, st in stats.items()}
+    original = (drafter_meta or {}).get("original_verifier")
+    if original and original.get("model") and cfg.temperature == 0:  # a Medusa-2 drafter: the verifier was tuned
+        report["tuned_vs_original"] = tuned_vs_original(original, cfg, prompts_ids,
+                                                        outputs["vanilla"][:: cfg.num_samples])
+        print(f"the tuned verifier against the original ({original['name']}): "
+              f"{report['tuned_vs_original']['identical_outputs']:.0%} of greedy outputs identical, "
+              f"{report['tuned_vs_original']['token_agreement']:.1%} of tokens before the first divergence")
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     table = markdown_table(report)
     (out_dir / "results.md").write_text(table + "\n")
@@ -257,6 +266,22 @@ def run(cfg: DictConfig) -> dict:
     print(table)
     print(f"results -> {out_dir}/results.json")
     return report
+
+
+def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tuned_outputs) -> dict:
+    """Medusa-2 changes the verifier: the ORIGINAL verifier (recorded with the heads) decodes the
+    same prompts greedily, and its outputs are compared with the tuned verifier's plain outputs."""
+    model_cfg = OmegaConf.create({**original["model"], "dtype": cfg.model.dtype})
+    model = load_verifier(model_cfg).model
+    same, agree, total = 0, 0, 0
+    for ids, tuned in zip(prompts_ids, tuned_outputs):
+        ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens).tokens
+        n = next((i for i, (a, b) in enumerate(zip(tuned.tokens, ref)) if a != b), min(len(tuned.tokens), len(ref)))
+        same += tuned.tokens == ref
+        agree, total = agree + n, total + max(len(tuned.tokens), len(ref))
+    return {"original_fingerprint": original.get("fingerprint"), "prompts": len(prompts_ids),
+            "identical_outputs": same / max(len(prompts_ids), 1), "token_agreement": agree / max(total, 1),
+            "note": "greedy, plain decoding of both verifiers; the decoder is lossless w.r.t. the tuned one"}
 
 
 def markdown_table(report: dict) -> str:

@@ -137,3 +137,31 @@ class MedusaHeads(nn.Module):
             return self.to_full_vocab(self.project(feats, 0, lm_head))
         return self.to_full_vocab(torch.stack([self.project(feats[k], k, lm_head) for k in range(k_max)]))
 
+
+
+class MedusaJoint(nn.Module):
+    """Medusa-2: the verifier's backbone (LoRA-wrapped by peft, or fully trainable) and the heads,
+    trained as ONE module so DDP / DeepSpeed see every parameter in one forward.
+
+    forward(input_ids, attention_mask, positions, head_masks) -> (logits (N, V) of the tuned
+    verifier at `positions` (B, T) bool, head logits: a list of K (N_k, N') at head_masks[k]).
+    Only the needed rows go through the V x H projection. detach_heads: the heads read the
+    backbone's states without sending gradients into it (the heads-only warm-up stage)."""
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads):
+        super().__init__()
+        self.backbone, self.heads = backbone, heads
+
+    def lm_head(self) -> nn.Module:
+        return self.backbone.get_output_embeddings()
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, H): the final normed states (through LoRA layers when enabled)."""
+        return self.backbone.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def forward(self, input_ids, attention_mask, positions, head_masks, detach_heads: bool = False):
+        hidden = self.hidden(input_ids, attention_mask)  # (B, T, H)
+        lm_head = self.lm_head()
+        logits = lm_head(hidden[positions])  # (N, V)
+        source = (hidden.detach() if detach_heads else hidden).to(next(self.heads.parameters()).dtype)
+        return logits, self.heads([source[m] for m in head_masks], lm_head)

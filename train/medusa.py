@@ -1,26 +1,53 @@
-"""Train Medusa-1 heads on a frozen verifier.
+"""Train Medusa heads: Medusa-1 on a frozen verifier, Medusa-2 jointly with it.
 
-    python train/medusa.py                                   # offline default: SmolLM2-135M
+    python train/medusa.py                                   # offline default: SmolLM2-135M, Medusa-1
     python train/medusa.py model=smollm2-135m method.num_heads=4 trainer.max_steps=200
+    python train/medusa.py method=medusa2 trainer.lr=2.5e-4  # LoRA backbone + heads (heads at lr x 4)
     accelerate launch --config_file conf/accelerate/ddp-8gpu.yaml train/medusa.py model=vicuna-7b-v1.3 data=sharegpt
 
 Head k (0-based) reads the verifier's final hidden state at t and predicts token t+k+2.
-Loss = sum_k decay^k * CE_k over assistant tokens. Per-head top-1/top-5 accuracy and the
-simulated acceptance length are measured on the held-out split at every eval. The loop,
-resume, logging and saving are the shared skeleton (train/core/loop.py `fit`).
+Head loss = sum_k decay^k * CE_k over assistant tokens.
+
+Medusa-2 (method.name=medusa2) also tunes the backbone (method.backbone=lora via peft, or full)
+so its last hidden state is easier to speculate from, while keeping the verifier's outputs:
+
+    loss = lambda_lm * KL(original || tuned)  [or CE on the data: backbone_loss=ce]
+         + heads_coefficient * ramp(step) * head loss          ramp: constant | linear | sine
+    heads-only warm-up stage: the first warmup_stage_steps read the backbone detached
+    heads' learning rate: trainer.lr * lr_multiplier
+
+The teacher is exactly the original verifier: the same module with the LoRA adapters switched
+off (or a frozen copy for full tuning). Every eval logs the drift (KL, greedy agreement,
+perplexity of both) beside the heads' accuracies and simulated tau; `final` is refused when
+the KL exceeds method.max_kl (method.allow_drift=true: a warning). final/ holds verifier/ (LoRA
+merged: a plain HF folder) and heads/ (fingerprint of the TUNED verifier, the original's
+recorded): decode/evaluate.py model.path=<final>/verifier drafter=<final>/heads.
+
+The loop, resume, logging and saving are the shared skeleton (train/core/loop.py `fit`).
 """
 from __future__ import annotations
 
+import copy
+import json
+import math
+import warnings
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.models.checkpoint import load_drafter, save_drafter, write_atomic_dir
 from draftsmith.models.entry import launch
-from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads, MedusaJoint
+from draftsmith.models.verifier import fingerprint, load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
-from draftsmith.train.core.losses import simulated_tau
+from draftsmith.train.core.losses import fkl, simulated_tau
+
+BACKBONES = {"frozen": "Medusa-1", "lora": "Medusa-2, LoRA (peft)", "full": "Medusa-2, full fine-tuning"}
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,39 +61,30 @@ def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return mask, target[mask]
 
 
-def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float, num_heads: int,
-                reduce_counts=None, t2d: torch.Tensor | None = None):
-    """hidden (B, T, H) from the frozen verifier -> (loss, per-head stats).
-
-    Logits are computed only at supervised positions: the V x H projection is the dominant
-    cost here, and prompt/padding positions carry no loss. CE is summed and divided by the
-    head's supervised-token count over ALL processes (`reduce_counts` sums a (K,) tensor
-    across them), times the process count that DDP/DeepSpeed average over: the gradient is
-    then the global token mean, the same for 1 or N processes.
-
-    t2d (V,): verifier id -> draft id (-1 outside a reduced draft vocabulary). Targets outside
-    it carry no loss (no head can emit them) but count as misses in the accuracy stats."""
-    targets, rows = [], []
-    hidden = hidden.to(next(heads.parameters()).dtype)  # DeepSpeed bf16 holds the heads in bf16 (no autocast)
+def head_rows(labels: torch.Tensor, num_heads: int, t2d: torch.Tensor | None = None) -> list[tuple]:
+    """Per head k: (mask (B, T) of the positions it is trained at, targets (N_k,) in the draft
+    vocabulary, total supervised targets). t2d (V,): verifier id -> draft id (-1 outside a
+    reduced draft vocabulary); targets outside it carry no loss (no head can emit them) but
+    count as misses in the accuracy stats."""
+    rows = []
     for k in range(num_heads):
         mask, target = head_targets(labels, k)  # (B, T), (N_k,)
+        total = target.numel()
         if t2d is not None:  # keep only rows whose target the draft vocabulary holds
             drafted = t2d[target]  # (N_k,)
             keep = drafted >= 0
             mask = mask.clone()
             mask[mask.clone()] = keep
-            targets.append((drafted[keep], target.numel()))
-        else:
-            targets.append((target, target.numel()))
-        rows.append(hidden[mask])  # (N_k', H)
-    counts = torch.tensor([t.numel() for t, _ in targets], dtype=torch.float64)  # (K,)
-    world = 1
-    if reduce_counts is not None:
-        counts, world = reduce_counts(counts)
-    logits = heads(rows, lm_head)  # K x (N_k', N): one forward call, which DDP/DeepSpeed track
-    loss = hidden.new_zeros(())
+            target = drafted[keep]
+        rows.append((mask, target, total))
+    return rows
+
+
+def heads_loss(logits: list[torch.Tensor], rows: list[tuple], decay: float, counts: torch.Tensor, world: int):
+    """K head logits (N_k, N') -> (sum_k decay^k CE_k, each divided by its global count, stats)."""
+    loss = logits[0].new_zeros(())
     stats = {}
-    for k, (head_logits, (target, total)) in enumerate(zip(logits, targets)):
+    for k, (head_logits, (_, target, total)) in enumerate(zip(logits, rows)):
         ce_sum = F.cross_entropy(head_logits.float(), target, reduction="sum")
         loss = loss + (decay ** k) * ce_sum * (world / max(float(counts[k]), 1.0))
         with torch.no_grad():  # every key on every process, even without targets (stats are summed across them)
@@ -76,6 +94,23 @@ def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, deca
             stats[f"head{k}/top5_hits"] = (top5 == target[:, None]).any(-1).sum().item()
             stats[f"head{k}/count"] = total  # targets outside the draft vocabulary are misses
     return loss, stats
+
+
+def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, decay: float, num_heads: int,
+                reduce_counts=None, t2d: torch.Tensor | None = None):
+    """hidden (B, T, H) from the frozen verifier -> (loss, per-head stats).
+
+    Logits are computed only at supervised positions: the V x H projection is the dominant
+    cost here, and prompt/padding positions carry no loss. CE is summed and divided by the
+    head's supervised-token count over ALL processes (`reduce_counts` sums a (K,) tensor
+    across them), times the process count that DDP/DeepSpeed average over: the gradient is
+    then the global token mean, the same for 1 or N processes."""
+    rows = head_rows(labels, num_heads, t2d)
+    hidden = hidden.to(next(heads.parameters()).dtype)  # DeepSpeed bf16 holds the heads in bf16 (no autocast)
+    counts = torch.tensor([t.numel() for _, t, _ in rows], dtype=torch.float64)  # (K,)
+    counts, world = reduce_counts(counts) if reduce_counts is not None else (counts, 1)
+    logits = heads([hidden[m] for m, _, _ in rows], lm_head)  # K x (N_k', N): one forward call, which DDP tracks
+    return heads_loss(logits, rows, decay, counts, world)
 
 
 @torch.no_grad()
@@ -90,8 +125,215 @@ def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int,
     """Held-out loss, per-head top-1 / top-5 accuracy and the simulated acceptance length."""
     totals, loss = loop.held_out_totals(accelerator, heads, loader, lambda batch: medusa_loss(
         heads, verifier_features(verifier, batch), batch["labels"], lm_head, decay, num_heads, t2d=t2d))
-    metrics = {"eval/loss": loss}
-    top1 = []
+    return {"eval/loss": loss, **head_metrics(totals, num_heads)}
+
+
+# ----------------------------------------------------------------------------------------
+# Medusa-2: the backbone tuned with the heads
+
+
+def head_ramp(step: int, mcfg) -> float:
+    """heads_coefficient x the schedule's ramp at `step` (constant | linear | sine over heads_ramp_steps)."""
+    ramp = float(mcfg.heads_ramp_steps)
+    x = 1.0 if ramp <= 0 else min(1.0, step / ramp)
+    shape = choose({"constant": 1.0, "linear": x, "sine": math.sin(math.pi / 2 * x)}, mcfg.heads_schedule,
+                   "method.heads_schedule")
+    return float(mcfg.heads_coefficient) * shape
+
+
+def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions t whose next token t+1 is supervised (where the verifier's law is kept)."""
+    pos = torch.zeros_like(labels, dtype=torch.bool)
+    pos[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return pos
+
+
+@torch.no_grad()
+def teacher_logits(joint: MedusaJoint, teacher, batch, pos: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits of the ORIGINAL verifier at `pos`: the LoRA adapters switched off, or the
+    frozen copy kept for full tuning."""
+    if teacher is None:
+        with joint.backbone.disable_adapter():
+            return joint.lm_head()(joint.hidden(batch["input_ids"], batch["attention_mask"])[pos])
+    hidden = teacher.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return teacher.get_output_embeddings()(hidden.last_hidden_state[pos])
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def medusa2_loss(model, teacher, batch, mcfg, step: int, num_heads: int, t2d=None, reduce_counts=None):
+    """(loss, stats): lambda_lm x backbone loss + ramped heads_coefficient x head loss, each term
+    normalised by its global token count (as medusa_loss)."""
+    joint = getattr(model, "module", model)
+    labels = batch["labels"]
+    pos = next_token_positions(labels)  # (B, T)
+    rows = head_rows(labels, num_heads, t2d)
+    detach = step < int(mcfg.warmup_stage_steps)  # the heads-only stage
+    logits, head_logits = model(batch["input_ids"], batch["attention_mask"], pos, [m for m, _, _ in rows], detach)
+    p_logits = teacher_logits(joint, teacher, batch, pos)  # (N, V)
+    counts = torch.tensor([float(pos.sum())] + [t.numel() for _, t, _ in rows], dtype=torch.float64)  # (1+K,)
+    counts, world = reduce_counts(counts) if reduce_counts is not None else (counts, 1)
+    logits, p_logits = upcast(logits), upcast(p_logits)  # fp32 at least (fp64 stays fp64)
+    log_q = torch.log_softmax(logits, dim=-1)  # (N, V) tuned
+    p = torch.softmax(p_logits, dim=-1)  # (N, V) original
+    kl = fkl(p, None, log_q, None)  # (N,) KL(original || tuned)
+    target = labels[:, 1:][pos[:, :-1]]  # (N,) the next tokens
+    nll = -log_q.gather(-1, target[:, None])[:, 0]  # (N,)
+    backbone_sum = choose({"kl": kl, "ce": nll}, mcfg.backbone_loss, "method.backbone_loss").sum()
+    h_loss, stats = heads_loss(head_logits, rows, mcfg.decay, counts[1:], world)
+    loss = mcfg.lambda_lm * backbone_sum * (world / max(float(counts[0]), 1.0)) + head_ramp(step, mcfg) * h_loss
+    with torch.no_grad():
+        stats.update({"lm/kl_sum": kl.sum().item(), "lm/count": pos.sum().item(),
+                      "lm/agree": (logits.argmax(-1) == p_logits.argmax(-1)).sum().item(),
+                      "lm/nll_tuned": nll.sum().item(),
+                      "lm/nll_original": -torch.log_softmax(p_logits, -1).gather(-1, target[:, None]).sum().item()})
+    return loss, stats
+
+
+EVAL_STEP = 10**9  # held-out losses at the schedule's full weights, past any warm-up stage
+
+
+def drift_metrics(totals: dict) -> dict:
+    n = max(totals.get("lm/count", 0.0), 1.0)
+    return {"eval/kl": totals.get("lm/kl_sum", 0.0) / n, "eval/greedy_agreement": totals.get("lm/agree", 0.0) / n,
+            "eval/ppl_tuned": math.exp(totals.get("lm/nll_tuned", 0.0) / n),
+            "eval/ppl_original": math.exp(totals.get("lm/nll_original", 0.0) / n)}
+
+
+def build_backbone(model, mcfg):
+    """-> (trainable backbone, teacher): LoRA on the projections (teacher = adapters off, None)
+    or the full model (teacher = a frozen copy of the original)."""
+    model.requires_grad_(False)
+    if mcfg.backbone == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=float(mcfg.lora.dropout),
+                          target_modules=list(mcfg.lora.target_modules), bias="none")
+        return get_peft_model(model, lora), None
+    teacher = copy.deepcopy(model).eval()
+    return model.requires_grad_(True), teacher
+
+
+def merged_verifier(joint: MedusaJoint, state: dict, mcfg):
+    """The tuned verifier as a plain HF model (LoRA merged), from a full state dict of the joint
+    module (gathered under ZeRO-3), built on this process only."""
+    from transformers import AutoModelForCausalLM
+
+    base = joint.backbone.get_base_model() if mcfg.backbone == "lora" else joint.backbone
+    fresh = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
+    prefix = "backbone."
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if mcfg.backbone == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=0.0,
+                          target_modules=list(mcfg.lora.target_modules), bias="none")
+        fresh = get_peft_model(fresh, lora)
+        fresh.load_state_dict(sub, strict=True)
+        return fresh.merge_and_unload().eval()
+    fresh.load_state_dict(sub, strict=True)
+    return fresh.eval()
+
+
+def medusa2_saver(cfg, accelerator, config, verifier):
+    """Recipe.save for Medusa-2: <name>/verifier (merged HF folder + tokenizer) and <name>/heads
+    (fingerprint of the tuned verifier, the original's recorded); `final` gated by method.max_kl."""
+    mcfg = cfg.method
+
+    def save(model, metrics: dict, name: str) -> str:
+        out = f"{cfg.output_dir}/{name}"
+        drift = metrics.get("eval/kl")
+        if name == "final" and drift is not None and drift > mcfg.max_kl:
+            msg = (f"the tuned verifier drifted: KL(original || tuned) = {drift:.4f} > method.max_kl = {mcfg.max_kl} "
+                   f"(greedy agreement {metrics.get('eval/greedy_agreement', float('nan')):.3f})")
+            if not mcfg.allow_drift:
+                raise DraftsmithError(msg + "; final not written: lower trainer.lr or raise method.lambda_lm, or pass "
+                                      "method.allow_drift=true")
+            warnings.warn(msg + " (written anyway: method.allow_drift=true)")
+        state = accelerator.get_state_dict(model)  # every process: ZeRO-3 gathers the shards here
+        if accelerator.is_main_process:
+            joint = accelerator.unwrap_model(model)
+            tuned = merged_verifier(joint, state, mcfg)
+            heads_state = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
+            tuned_fp = fingerprint(tuned)
+            meta = {"method": mcfg.name, "metrics": metrics, "backbone": mcfg.backbone,
+                    "original_verifier": {"fingerprint": verifier.fingerprint, "name": verifier.name,
+                                          "model": OmegaConf.to_container(cfg.model, resolve=True)},
+                    "note": "lossless with respect to the TUNED verifier in verifier/, not the original"}
+
+            def write(tmp: Path):
+                tuned.save_pretrained(tmp / "verifier", max_shard_size="1000GB")
+                verifier.tokenizer.save_pretrained(tmp / "verifier")
+                save_drafter(tmp / "heads", "medusa", None, config, state_dict=heads_state,
+                             verifier_fingerprint=tuned_fp, verifier_name=f"{verifier.name}-medusa2", meta=meta,
+                             resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
+                (tmp / "meta.json").write_text(json.dumps({"kind": "medusa2", "tuned_fingerprint": tuned_fp, **meta},
+                                                          indent=2, default=str))
+
+            write_atomic_dir(out, write)
+        accelerator.wait_for_everyone()
+        return out
+
+    return save
+
+
+def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, data, eval_loader, t2d, token_map):
+    """Medusa-2's recipe: the joint module, its loss step, drift-gated evals and saves."""
+    mcfg = cfg.method
+    backbone, teacher = build_backbone(verifier.model, mcfg)
+    heads = MedusaHeads(config, backbone.get_output_embeddings(), token_map=token_map)
+    if mcfg.init_heads:  # warm start from trained Medusa-1 heads
+        init = load_drafter(mcfg.init_heads, verifier_fingerprint=verifier.fingerprint)
+        if init.kind != "medusa" or init.config != config:
+            raise DraftsmithError(f"method.init_heads={mcfg.init_heads} holds {init.kind} heads {init.config}, "
+                                  f"this run trains {config}; match method.num_heads/num_layers/lm_head/draft_vocab_size")
+        heads.load_state_dict(init.module.state_dict())
+    joint = MedusaJoint(backbone, heads).to(accelerator.device)
+    if teacher is not None:
+        teacher.to(accelerator.device)
+    step_box = {"step": 0}
+
+    def prepare_batch(model, batch, step):
+        step_box["step"] = step
+        return batch
+
+    def loss_step(model, batch):
+        """The loss step: lambda_lm x KL(original || tuned) + ramped head loss."""
+        with accelerator.autocast():
+            loss, stats = medusa2_loss(model, teacher, batch, mcfg, step_box["step"], config.num_heads, t2d,
+                                       global_counts(accelerator))
+        return loss, {**loop.loss_logs(stats), "train/kl": stats["lm/kl_sum"] / max(stats["lm/count"], 1),
+                      "train/heads_coefficient": head_ramp(step_box["step"], mcfg)}
+
+    def evaluate(model) -> dict:
+        """Drift (KL, greedy agreement, perplexities) and the heads' accuracies / simulated tau."""
+        totals, loss = loop.held_out_totals(accelerator, model, eval_loader, lambda batch: medusa2_loss(
+            model, teacher, batch, mcfg, EVAL_STEP, config.num_heads, t2d))
+        metrics = {"eval/loss": loss, **drift_metrics(totals), **head_metrics(totals, config.num_heads)}
+        return metrics
+
+    def report(m: dict) -> str:
+        return (loop.top1_report(m, "head{}_top1", "h", config.num_heads) +
+                f"; drift: KL(original || tuned) {m.get('eval/kl', float('nan')):.4f}, greedy agreement "
+                f"{m.get('eval/greedy_agreement', float('nan')):.3f}, perplexity {m.get('eval/ppl_original', 0):.2f} "
+                f"-> {m.get('eval/ppl_tuned', 0):.2f}")
+
+    groups = [{"params": [p for p in backbone.parameters() if p.requires_grad]},
+              {"params": list(heads.parameters()), "lr": cfg.trainer.lr * mcfg.lr_multiplier}]
+    return loop.fit(cfg, accelerator, data, loop.Recipe(
+        name=mcfg.name, model=joint, param_groups=groups, loss_step=loss_step, prepare_batch=prepare_batch,
+        evaluate=evaluate, save=medusa2_saver(cfg, accelerator, config, verifier), best_key="eval/simulated_tau",
+        report=report,
+        describe=f"{config.num_heads} heads + {mcfg.backbone} backbone ({mcfg.backbone_loss} x {mcfg.lambda_lm}, heads "
+                 f"{mcfg.heads_coefficient} {mcfg.heads_schedule}, lr x {mcfg.lr_multiplier}); verifier "
+                 f"{verifier.name} [{verifier.fingerprint}]"))
+
+
+def head_metrics(totals: dict, num_heads: int) -> dict:
+    """Per-head top-1 / top-5 accuracy and the simulated acceptance length from summed stats."""
+    metrics, top1 = {}, []
     for k in range(num_heads):
         count = max(totals.get(f"head{k}/count", 0.0), 1.0)
         top1.append(totals.get(f"head{k}/top1_hits", 0.0) / count)
@@ -103,9 +345,16 @@ def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int,
 
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
+    choose(BACKBONES, mcfg.backbone, "method.backbone")
     accelerator = loop.start(cfg)
-    frozen = loop.frozen_verifier(cfg, accelerator)  # online, or only its lm_head with offline features
-    verifier, lm_head = frozen.verifier, frozen.lm_head
+    if mcfg.backbone != "frozen" and cfg.data.get("features"):
+        raise DraftsmithError(f"method.backbone={mcfg.backbone} tunes the verifier, so stored features cannot stand "
+                              f"in for it; set data.features=null")
+    if mcfg.backbone == "frozen":
+        frozen = loop.frozen_verifier(cfg, accelerator)  # online, or only its lm_head with offline features
+        verifier, lm_head = frozen.verifier, frozen.lm_head
+    else:
+        verifier, lm_head = load_verifier(cfg.model), None
     data, eval_loader = loop.training_data(cfg, accelerator, getattr(verifier, "tokenizer", None))
 
     # The model: K heads, optionally over the most frequent supervised tokens of the training split.
@@ -120,6 +369,8 @@ def run(cfg: DictConfig) -> dict:
         t2d = target_to_draft(d2t, config.vocab_size).to(accelerator.device)
         vocab_note = (f"draft vocabulary of {config.draft_vocab_size:,} of {config.vocab_size:,} tokens covers "
                       f"{counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
+    if mcfg.backbone != "frozen":
+        return run_medusa2(cfg, accelerator, config, verifier, data, eval_loader, t2d, d2t)
     heads = MedusaHeads(config, lm_head, token_map=d2t).to(accelerator.device)
 
     def loss_step(model, batch):
