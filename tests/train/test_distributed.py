@@ -243,3 +243,35 @@ def test_deepspeed_bf16_trains(tiny_model_dir, tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_drafter(tmp_path / "out" / "final")[3]["metrics"]["step"] == 2
+
+
+# Medusa-2: the same global batch, LoRA backbone + heads, 4 steps (the head loss at full weight).
+EQUIV2 = ["data=tiny", "trainer=debug", "logger=none", "method=medusa2", "method.num_heads=2", "trainer.batch_size=4",
+          "trainer.split_batches=true", "trainer.max_steps=4", "method.heads_ramp_steps=0", "method.allow_drift=true"]
+
+
+def test_medusa2_two_processes_train_the_same_backbone_and_heads_as_one(tiny_model_dir, tmp_path):
+    """1 process, DDP and ZeRO-2 on 2 processes end with the same merged verifier and heads."""
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    runs = {"one": ["python"], "ddp": ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
+                                       "--main_process_port", "29535"],
+            "zero2": ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero2.yaml",
+                      "--main_process_port", "29536"]}
+    weights = {}
+    for name, launcher in runs.items():
+        out = tmp_path / name
+        extra = {"ACCELERATE_USE_CPU": "1"} if name == "ddp" else {}
+        proc = subprocess.run([*launcher, "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV2,
+                               f"output_dir={out}"], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1", **extra},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        weights[name] = {**{f"verifier.{k}": v for k, v in load_file(out / "final" / "verifier" / "model.safetensors").items()},
+                         **{f"heads.{k}": v for k, v in load_file(out / "final" / "heads" / "model.safetensors").items()}}
+    reference = weights.pop("one")
+    original = load_file(tiny_model_dir / "model.safetensors")
+    moved = [k for k, v in original.items() if (reference[f"verifier.{k}"] - v).abs().max() > 1e-6]
+    for name, got in weights.items():
+        assert got.keys() == reference.keys(), name
+        for key, ref in reference.items():
+            torch.testing.assert_close(got[key], ref, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    assert moved  # the backbone was tuned (so the equality above is about the LoRA updates too)
