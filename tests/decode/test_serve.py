@@ -1,0 +1,218 @@
+"""decode/serve.py through the real `openai` client on 127.0.0.1: greedy output token-identical
+to decode/evaluate.py's, seeded sampling reproducible, streaming (SSE, usage), n, stop strings,
+the bounded queue (429), a disconnecting client freeing the engine, timeouts, /metrics, and a
+400 naming the field for every kind of bad input, after which the server keeps serving."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from draftsmith.decode.serve import Engine, TextStream, make_app
+from draftsmith.models.checkpoint import save_drafter
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.verifier import fingerprint
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from tests.tiny import tiny_llama
+
+openai = pytest.importorskip("openai")
+MESSAGES = [{"role": "user", "content": "Tell me about cats."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_model_dir, tmp_path_factory):
+    model = tiny_llama(dtype=torch.float32)
+    cfg = MedusaConfig(hidden_size=32, vocab_size=128, num_heads=2)
+    heads = MedusaHeads(cfg, model.get_output_embeddings())
+    torch.manual_seed(1)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
+    return save_drafter(tmp_path_factory.mktemp("d") / "heads", "medusa", heads, cfg,
+                        verifier_fingerprint=fingerprint(model), verifier_name="tiny")
+
+
+def serve_cfg(tiny_model_dir, drafter, *extra):
+    return compose_config("serve", tiny_model_overrides(tiny_model_dir) + [
+        "method=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "threads=1", *extra])
+
+
+class Server:
+    """make_app's app under uvicorn in a thread, on a free port."""
+
+    def __init__(self, cfg):
+        self.engine = Engine(cfg)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.engine, cfg), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, drafter):
+    s = Server(serve_cfg(tiny_model_dir, drafter))
+    yield s
+    s.stop()
+
+
+def test_greedy_is_token_identical_to_evaluate_streaming_and_not(server, tiny_model_dir, drafter, tmp_path):
+    from draftsmith.decode.evaluate import run as evaluate
+    from draftsmith.models.sources import load_prompts
+
+    cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
+        "method=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
+        "data.num_prompts=2", "max_new_tokens=24", "hf.enabled=false", f"output_dir={tmp_path}"])
+    evaluate(cfg)
+    offline = [json.loads(line) for line in open(tmp_path / "outputs.jsonl") if '"method": "medusa"' in line]
+    tok = server.engine.tokenizer
+    for prompt, record in zip(load_prompts(cfg.data), offline):
+        expected = tok.decode(record["tokens"], skip_special_tokens=True)
+        reply = server.client.chat.completions.create(model="tiny", messages=prompt["messages"], max_tokens=24,
+                                                      temperature=0)
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.completion_tokens == len(record["tokens"])
+        assert reply.usage.prompt_tokens == len(record["prompt_ids"])
+        chunks = list(server.client.chat.completions.create(
+            model="tiny", messages=prompt["messages"], max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.completion_tokens == len(record["tokens"]) and not chunks[-1].choices
+        assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # tokens arrive as accepted
+
+
+def test_completions_seeded_sampling_n_and_stop(server):
+    c = server.client
+    a = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0.8, seed=5, n=2)
+    b = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0.8, seed=5, n=2)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices] and len(a.choices) == 2
+    other = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0.8, seed=6, n=2)
+    assert [x.text for x in other.choices] != [x.text for x in a.choices]
+    full = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0).choices[0].text
+    stop = next(ch for ch in full[3:] if ch.strip())  # a character the greedy text goes on to write
+    cut = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop, 0)] and cut.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0, stop=[stop],
+                                    stream=True)
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == cut.choices[0].text
+
+
+def test_text_stream_never_cuts_a_character_or_leaks_a_stop_string():
+    class Bytes:  # token i = byte i; decode as UTF-8 with replacement (as byte-level BPE tokenizers do)
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "naïve café — ok STOP tail"
+    data = list(text.encode())
+    stream, pieces = TextStream(Bytes(), ["STOP"]), []
+    for b in data:
+        pieces.append(stream.push([b]))
+    pieces.append(stream.finish())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == "naïve café — ok "
+    assert not any("S" in p for p in pieces)  # "STOP" was held back, never sent
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "tiny", "messages": [', None),
+    ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, "model"),
+    ("negative max_tokens", {"model": "tiny", "messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ("absurd max_tokens", {"model": "tiny", "messages": MESSAGES, "max_tokens": 10**9}, "max_tokens"),
+    ("negative temperature", {"model": "tiny", "messages": MESSAGES, "temperature": -0.5}, "temperature"),
+    ("top_p 0", {"model": "tiny", "messages": MESSAGES, "top_p": 0}, "top_p"),
+    ("top_p above 1", {"model": "tiny", "messages": MESSAGES, "top_p": 1.5}, "top_p"),
+    ("oversized prompt", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+    ("wrong type", {"model": "tiny", "messages": MESSAGES, "max_tokens": "12"}, "max_tokens"),
+    ("wrong type in a message", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ("unknown field", {"model": "tiny", "messages": MESSAGES, "frequency_penalty_x": 1}, "frequency_penalty_x"),
+    ("unknown role", {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_400_naming_the_field(server, name, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (name, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert "\n" not in error["message"]
+    ok = server.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert ok.choices[0].message.content is not None  # ... and the server keeps serving
+
+
+def test_models_health_and_metrics(server):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["verifier_fingerprint"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    server.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["draftsmith:spec_decode_num_drafts_total"] > 0
+    assert values["draftsmith:spec_decode_num_draft_tokens_total"] == 2 * values["draftsmith:spec_decode_num_drafts_total"]
+    assert values['draftsmith:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] >= \
+        values['draftsmith:spec_decode_num_accepted_tokens_per_pos_total{position="1"}']
+    steps = values["draftsmith:verification_steps_total"]
+    assert values["draftsmith:spec_decode_mean_acceptance_length"] == pytest.approx(
+        (values["draftsmith:spec_decode_num_accepted_tokens_total"] + steps) / steps)
+
+
+def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_dir, drafter):
+    s = Server(serve_cfg(tiny_model_dir, drafter, "max_queue=1", "request_timeout_s=1.5"))
+    try:
+        gate = threading.Event()
+        run = s.engine._run
+        s.engine._run = lambda job: (gate.wait(30), run(job))  # the engine holds its first job
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "temperature": 0}
+        held = threading.Thread(target=lambda: httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30))
+        held.start()
+        while not s.engine.busy:
+            time.sleep(0.01)
+        queued = threading.Thread(target=lambda: httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30))
+        queued.start()
+        while s.engine.jobs.qsize() < 1:
+            time.sleep(0.01)
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        gate.set()
+        held.join()
+        queued.join()
+        s.engine._run = run
+        # a streaming client that goes away mid-stream: the engine stops at its next step
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", timeout=30,
+                          json={**body, "max_tokens": 4000, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break
+        t0 = time.time()
+        while s.engine.busy and time.time() - t0 < 10:
+            time.sleep(0.01)
+        assert not s.engine.busy
+        values = httpx.get(f"{s.url}/metrics").text
+        assert "draftsmith:requests_cancelled_total 1" in values
+        # a request past request_timeout_s is cancelled: 504 with an OpenAI-style error
+        slow = s.engine._run
+        s.engine._run = lambda job: (time.sleep(1.6), slow(job))
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    finally:
+        s.stop()
