@@ -26,7 +26,7 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import load_drafter
-from draftsmith.models.entry import CONF_DIR, launch
+from draftsmith.models.entry import compose_main, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier
@@ -150,13 +150,7 @@ def model_overrides(model_cfg) -> list[str]:
 def evaluate_config(overrides: list[str]) -> DictConfig:
     """The conf/evaluate.yaml config with these overrides, composed from Python or from inside
     another script's Hydra app (scripts/compare.py, scripts/learning_curve.py)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        return compose("evaluate", overrides=overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("evaluate", overrides=overrides)
+    return compose_main("evaluate", overrides)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -65,6 +65,18 @@ def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None
         sys.exit(2)
 
 
+def compose_main(config_name: str, overrides: list[str]):
+    """conf/<config_name>.yaml with these overrides, from plain Python or from inside another
+    entry script's Hydra app (which has Hydra initialised already)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name, overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
 def launch(config_name: str, run) -> None:
     """The `if __name__ == "__main__"` of every entry script: check the overrides, then let
     Hydra compose conf/<config_name>.yaml and call run(cfg); bad input ends in one line."""

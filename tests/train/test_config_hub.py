@@ -5,7 +5,7 @@ from tests.hub import CONF, compose_config
 
 MAIN_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 MODEL_PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-LAUNCHERS = {"bench_train": "verifier", "bench_selfdistill": "verifier"}
+LAUNCHERS = {"bench_train": "verifier", "bench_selfdistill": "verifier", "bench_serve": "verifier"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "accelerate")
 
 
