@@ -23,7 +23,7 @@ EAGLE-3 (vLLM / SGLang `llama_eagle3.py`, SpecForge, architecture LlamaForCausal
 
     g_t = fc(concat(s_t^low, s_t^mid, s_t^high))           fc: 3H -> H, no bias (verifier states only)
     a = concat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))       (2H: q/k/v read 2H)
-    h = g_t + attn(a)
+    h = g_t + attn(a)                                        (norm_before_residual: hidden_norm(g_t) + attn(a))
     p_{t+1} = h + mlp(post_attention_layernorm(h))          the pre-norm state, fed back as g_{t+1}
     logits = lm_head(norm(p_{t+1}))                          over the N draft tokens
 
@@ -64,6 +64,7 @@ class EagleConfig:
     lm_head: str = "shared"  # shared (full vocab) | own | gathered (reduced vocab)
     attn_implementation: str = "sdpa"
     fc_bias: bool = False  # True only for imported EAGLE-1 checkpoints of the original repository
+    norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(g), not g (vLLM's config key)
 
     def __post_init__(self):
         choose(dict.fromkeys(VARIANTS), self.variant, "method.variant")
@@ -75,6 +76,8 @@ class EagleConfig:
                                   "null picks models.verifier.default_fusion_layers")
         if self.variant == "eagle1" and self.fusion_layers:
             raise DraftsmithError("method.fusion_layers is for eagle3; set it to null for eagle1")
+        if self.variant == "eagle1" and self.norm_before_residual:
+            raise DraftsmithError("method.norm_before_residual is for eagle3 (EAGLE-1's layer has no hidden_norm)")
         if self.variant == "eagle3" and self.fc_bias:
             raise DraftsmithError("fc_bias is for imported EAGLE-1 checkpoints; EAGLE-3's fc has no bias")
         if self.draft_vocab_size is None:
@@ -123,9 +126,9 @@ class EagleLayer(nn.Module):
     """The drafter's decoder layer. fused_input (EAGLE-3): attention reads concat(input_layernorm(embed),
     hidden_norm(feature)), 2H wide; otherwise (EAGLE-1 layer 0) the fc output itself, without a norm."""
 
-    def __init__(self, lc: LlamaConfig, fused_input: bool):
+    def __init__(self, lc: LlamaConfig, fused_input: bool, norm_before_residual: bool = False):
         super().__init__()
-        self.fused_input = fused_input
+        self.fused_input, self.norm_before_residual = fused_input, norm_before_residual
         h = lc.hidden_size
         self.self_attn = LlamaAttention(lc, layer_idx=0)
         if fused_input:
@@ -139,10 +142,16 @@ class EagleLayer(nn.Module):
 
     def forward(self, x, embeds, position_embeddings, attention_mask, cache) -> torch.Tensor:
         """x (B, T, H) the layer input (EAGLE-1: fc output; EAGLE-3: the feature g), embeds (B, T, H)."""
-        a = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1) if self.fused_input else x
+        residual = x
+        if self.fused_input:
+            g = self.hidden_norm(x)
+            residual = g if self.norm_before_residual else x
+            a = torch.cat([self.input_layernorm(embeds), g], dim=-1)  # (B, T, 2H)
+        else:
+            a = x
         attn, _ = self.self_attn(hidden_states=a, position_embeddings=position_embeddings,
                                  attention_mask=attention_mask, cache=cache)
-        h = x + attn  # (B, T, H)
+        h = residual + attn  # (B, T, H)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -176,7 +185,7 @@ class EagleDrafter(nn.Module):
                                   f"{lc.hidden_size}")
         if config.variant == "eagle3":
             self.fc = nn.Linear(len(config.fusion_layers) * h, h, bias=False)
-            self.midlayer = EagleLayer(lc, fused_input=True)
+            self.midlayer = EagleLayer(lc, fused_input=True, norm_before_residual=config.norm_before_residual)
             self.norm = LlamaRMSNorm(h, eps=lc.rms_norm_eps)
         else:
             self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)

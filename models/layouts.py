@@ -69,7 +69,8 @@ def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dt
     out = {"architectures": [EAGLE_ARCHITECTURES[config.variant][engine]], **llama_keys(layer_config),
            "torch_dtype": dtype}
     if config.variant == "eagle3":
-        out.update(draft_vocab_size=config.num_draft_tokens, target_hidden_size=config.hidden_size)
+        out.update(draft_vocab_size=config.num_draft_tokens, target_hidden_size=config.hidden_size,
+                   norm_before_residual=config.norm_before_residual)
         if engine == "vllm":
             out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.fusion_layers]
             out["eagle_config"] = {"use_aux_hidden_state": True}
@@ -155,7 +156,8 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
     state = {k.removeprefix("model."): v for k, v in state.items() if "embed_tokens" not in k}
     hidden, vocab = int(spec["hidden_size"]), int(spec["vocab_size"])
     check_verifier(folder, hidden, vocab, verifier_dims)
-    decoder = {k: v for k, v in spec.items() if k not in ("architectures", "draft_vocab_size", "eagle_config")}
+    decoder = {k: v for k, v in spec.items()
+               if k not in ("architectures", "draft_vocab_size", "eagle_config", "norm_before_residual")}
     decoder["model_type"] = "llama"
     if "midlayer.hidden_norm.weight" in state:
         if "eagle_aux_hidden_state_layer_ids" in spec:  # vLLM indexing: hidden_states[j] = output of j - 1
@@ -171,7 +173,8 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
         if "lm_head.weight" not in state:
             if n < vocab:
                 raise DraftsmithError(f"drafter={folder}: a {n}-token draft vocabulary but no lm_head.weight")
-            config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers)  # verifier's lm_head
+            config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers,
+                                 norm_before_residual=bool(spec.get("norm_before_residual", False)))  # verifier's lm_head
             return "eagle", config, {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
         if n < vocab and "d2t" not in state:
             raise DraftsmithError(f"drafter={folder}: draft_vocab_size {n} < vocabulary {vocab} but no d2t tensor")
@@ -180,7 +183,8 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
         t2d[torch.arange(n) + state["d2t"].long()] = True
         state["t2d"] = t2d  # recomputed from d2t: the two cannot disagree
         config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers,
-                             draft_vocab_size=n, lm_head="own")
+                             draft_vocab_size=n, lm_head="own",
+                             norm_before_residual=bool(spec.get("norm_before_residual", False)))
         return "eagle", config, state
     config = EagleConfig(hidden, vocab, decoder, variant="eagle1", fc_bias="fc.bias" in state)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # EAGLE-1 uses the verifier's

@@ -72,6 +72,9 @@ def engine_state(kind: str, module, config, fmt: str, lm_head) -> tuple[dict, di
             raise DraftsmithError(f"format={fmt}: the engines' EAGLE-1 projects with the verifier's own lm_head; "
                                   f"this drafter has lm_head={config.lm_head} (retrain with method.lm_head=shared)")
         return state, {}
+    if config.norm_before_residual and fmt != "vllm":
+        raise DraftsmithError(f"format={fmt}: this EAGLE-3 drafter uses norm_before_residual, which only vLLM's "
+                              f"loader reads (config key norm_before_residual); use format=vllm")
     if len(config.fusion_layers) != 3:
         raise DraftsmithError(f"format={fmt}: the engines' EAGLE-3 fc reads exactly 3 verifier layers, this drafter "
                               f"fuses {len(config.fusion_layers)} ({config.fusion_layers})")

@@ -181,7 +181,8 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
     return EagleConfig(hidden_size=verifier.config.hidden_size, vocab_size=verifier.config.vocab_size,
                        decoder_config=hf_config, variant=mcfg.variant, fusion_layers=layers,
                        draft_vocab_size=mcfg.draft_vocab_size, lm_head=mcfg.lm_head,
-                       attn_implementation=mcfg.attn_implementation)
+                       attn_implementation=mcfg.attn_implementation,
+                       norm_before_residual=bool(mcfg.get("norm_before_residual", False)))
 
 
 def run(cfg: DictConfig) -> dict:
