@@ -294,9 +294,11 @@ LLAMA_CONFIG = {"hidden_size": H, "intermediate_size": INTER, "num_attention_hea
                 "max_position_embeddings": 512, "hidden_act": "silu", "model_type": "llama"}
 
 
-def test_specforge_eagle3_folder_imports_and_matches_the_published_forward(tmp_path):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_specforge_eagle3_folder_imports_and_matches_the_published_forward(tmp_path, norm_before_residual):
     """SpecForge / official EAGLE-3: no capture ids in config.json (the engines' default),
-    d2t offsets, embed_tokens saved beside (dropped: the verifier's is used)."""
+    d2t offsets, embed_tokens saved beside (dropped: the verifier's is used); and the
+    norm_before_residual variant vLLM reads from config.json (speculators' default)."""
     shapes = {k: v for k, v in EAGLE3_WEIGHTS.items() if k not in ("d2t", "t2d")}
     w = random_state(shapes, 0)
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:N].sort().values
@@ -304,15 +306,17 @@ def test_specforge_eagle3_folder_imports_and_matches_the_published_forward(tmp_p
     save_file({**{k: v.float() for k, v in w.items()}, "d2t": d2t, "embed_tokens.weight": torch.zeros(V, H)},
               str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": ["LlamaForCausalLMEagle3"],
-                                                      "draft_vocab_size": N}))
+                                                      "draft_vocab_size": N,
+                                                      "norm_before_residual": norm_before_residual}))
     drafter = load_drafter(tmp_path, verifier_dims=(H, V), verifier_num_layers=30)
     assert drafter.kind == "eagle" and drafter.config.fusion_layers == [1, 14, 26]  # hidden_states[2, 15, 27]
     module = drafter.module.double()
     w = {k: v.float().double() for k, v in w.items()}
     states, emb = torch.randn(6, 3 * H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
     g = states @ w["fc.weight"].T
-    a = torch.cat([rms(emb, w["midlayer.input_layernorm.weight"]), rms(g, w["midlayer.hidden_norm.weight"])], -1)
-    h = g + attention(w, "midlayer.self_attn.", a)
+    normed = rms(g, w["midlayer.hidden_norm.weight"])
+    a = torch.cat([rms(emb, w["midlayer.input_layernorm.weight"]), normed], -1)
+    h = (normed if norm_before_residual else g) + attention(w, "midlayer.self_attn.", a)
     p = h + mlp(w, "midlayer.mlp.", rms(h, w["midlayer.post_attention_layernorm.weight"]))
     logits = rms(p, w["norm.weight"]) @ w["lm_head.weight"].T  # (6, N)
     with torch.no_grad():
