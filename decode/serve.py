@@ -381,80 +381,73 @@ def make_app(engine: Engine, cfg: DictConfig):
     def sse(obj) -> str:
         return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        from draftsmith.decode.evaluate import prompt_ids
-
-        ids = prompt_ids(engine.tokenizer, [m.model_dump() for m in req.messages])
-        refused = check(req, ids, "messages")
+    async def respond(req: Sampling, ids: torch.Tensor, param: str, chunk, usage_chunk, final):
+        """Check, queue, then stream `chunk(index, text, finish[, role])` events or return final(tokens, finish)."""
+        refused = check(req, ids, param)
         if refused is not None:
             return refused
         job, refused = submit(req, ids.to(engine.model.device))
         if refused is not None:
             return refused
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            def chunk(index, text, finish, role=False):
-                delta = ChoiceDelta(role="assistant", content="") if role else ChoiceDelta(content=text)
-                return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=now, model=engine.name,
-                                               choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish)]))
-
-            def usage_chunk(prompt, completion):
-                return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=now, model=engine.name,
-                                               choices=[], usage=usage(prompt, completion)))
-
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_events(job, chunk, include, usage_chunk),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream_events(job, chunk, include, usage_chunk), media_type="text/event-stream")
         try:
             tokens, finish, error = await collect(job)
         finally:
             job.cancelled.set()
         if error is not None:
             return error
-        choices = [Choice(index=i, finish_reason=finish[i],
-                          message=ChatCompletionMessage(role="assistant", content=texts(tokens[i], job.stop)))
-                   for i in range(job.n)]
-        return ChatCompletion(id=rid, object="chat.completion", created=now, model=engine.name, choices=choices,
-                              usage=usage(ids.shape[1], sum(map(len, tokens)))).model_dump(exclude_none=True)
+        texts_ = [texts(t, job.stop) for t in tokens]
+        return final(texts_, finish, usage(ids.shape[1], sum(map(len, tokens)))).model_dump(exclude_none=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        from draftsmith.decode.evaluate import prompt_ids
+
+        ids = prompt_ids(engine.tokenizer, [m.model_dump() for m in req.messages])
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": now, "model": engine.name}
+
+        def chunk(index, text, finish, role=False):
+            delta = ChoiceDelta(role="assistant", content="") if role else ChoiceDelta(content=text)
+            return sse(ChatCompletionChunk(object="chat.completion.chunk", **head,
+                                           choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+
+        def usage_chunk(prompt, completion):
+            return sse(ChatCompletionChunk(object="chat.completion.chunk", **head, choices=[],
+                                           usage=usage(prompt, completion)))
+
+        def final(texts_, finish, use):
+            choices = [Choice(index=i, finish_reason=finish[i],
+                              message=ChatCompletionMessage(role="assistant", content=t)) for i, t in enumerate(texts_)]
+            return ChatCompletion(object="chat.completion", **head, choices=choices, usage=use)
+
+        return await respond(req, ids, "messages", chunk, usage_chunk, final)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         ids = torch.tensor([engine.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]], dtype=torch.long)
         if ids.shape[1] == 0:
             return bad("prompt is empty", "prompt")
-        refused = check(req, ids, "prompt")
-        if refused is not None:
-            return refused
-        job, refused = submit(req, ids.to(engine.model.device))
-        if refused is not None:
-            return refused
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            def chunk(index, text, finish, role=False):
-                if role:
-                    return ""
-                body = {"id": rid, "object": "text_completion", "created": now, "model": engine.name,
-                        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
-                return f"data: {json.dumps(body)}\n\n"
+        head = {"id": rid, "created": now, "model": engine.name}
 
-            def usage_chunk(prompt, completion):
-                return sse(Completion(id=rid, object="text_completion", created=now, model=engine.name, choices=[],
-                                      usage=usage(prompt, completion)))
+        def chunk(index, text, finish, role=False):
+            if role:
+                return ""
+            body = {"object": "text_completion", **head,
+                    "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+            return f"data: {json.dumps(body)}\n\n"
 
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_events(job, chunk, include, usage_chunk),
-                                     media_type="text/event-stream")
-        try:
-            tokens, finish, error = await collect(job)
-        finally:
-            job.cancelled.set()
-        if error is not None:
-            return error
-        choices = [CompletionChoice(index=i, text=texts(tokens[i], job.stop), finish_reason=finish[i])
-                   for i in range(job.n)]
-        return Completion(id=rid, object="text_completion", created=now, model=engine.name, choices=choices,
-                          usage=usage(ids.shape[1], sum(map(len, tokens)))).model_dump(exclude_none=True)
+        def usage_chunk(prompt, completion):
+            return sse(Completion(object="text_completion", **head, choices=[], usage=usage(prompt, completion)))
+
+        def final(texts_, finish, use):
+            choices = [CompletionChoice(index=i, text=t, finish_reason=finish[i]) for i, t in enumerate(texts_)]
+            return Completion(object="text_completion", **head, choices=choices, usage=use)
+
+        return await respond(req, ids, "prompt", chunk, usage_chunk, final)
 
     return app
 
