@@ -167,3 +167,22 @@ def test_sampling_law_against_the_tuned_verifier():
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0 and pvalue > 1e-3 and tv < 0.08, (pvalue, tv)
     assert law_test(counts, original)[0] < 1e-6  # ... and clearly not the original's
+
+
+def test_resume_gives_the_uninterrupted_weights(tiny_model_dir, tmp_path):
+    """2 steps, then a rerun to 4, ends with the backbone and heads of 4 steps in one go."""
+    from safetensors.torch import load_file
+
+    args = ["trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=2", "method.allow_drift=true"]
+    run(_cfg(tiny_model_dir, tmp_path / "straight", *args))
+    run(_cfg(tiny_model_dir, tmp_path / "resumed", *args, "trainer.max_steps=2"))
+    summary = run(_cfg(tiny_model_dir, tmp_path / "resumed", *args))
+    assert summary["steps"] == 4
+    for part in ("verifier", "heads"):
+        a = load_file(tmp_path / "straight" / "final" / part / "model.safetensors")
+        b = load_file(tmp_path / "resumed" / "final" / part / "model.safetensors")
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=f"{part}: {key}")
+    with pytest.raises(DraftsmithError, match="another config"):
+        run(_cfg(tiny_model_dir, tmp_path / "resumed", *args, "method.lambda_lm=3.0"))
