@@ -107,6 +107,11 @@ def test_completions_seeded_sampling_n_and_stop(server):
     assert [x.text for x in a.choices] == [x.text for x in b.choices] and len(a.choices) == 2
     other = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0.8, seed=6, n=2)
     assert [x.text for x in other.choices] != [x.text for x in a.choices]
+    streamed = ["".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5, stream=True) if ch.choices)
+        for _ in range(2)]
+    whole = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5)
+    assert streamed[0] == streamed[1] == whole.choices[0].message.content  # seeded: the same, streamed or not
     full = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0).choices[0].text
     stop = next(ch for ch in full[3:] if ch.strip())  # a character the greedy text goes on to write
     cut = c.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0, stop=[stop])
