@@ -144,6 +144,9 @@ def load_drafter(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = Non
     meta_kind = None
     if (ckpt_dir / "meta.json").is_file():
         meta_kind = read_meta_file(ckpt_dir).get("kind")
+    if meta_kind == "medusa2":
+        raise DraftsmithError(f"drafter={ckpt_dir} is a Medusa-2 output: pass drafter={ckpt_dir}/heads and "
+                              f"model.path={ckpt_dir}/verifier (the heads decode against the tuned verifier)")
     if meta_kind == "draft":
         return load_draft_folder(ckpt_dir, verifier_fingerprint, allow_mismatch, verifier_dims, dtype)
     spec = read_config(ckpt_dir) if (ckpt_dir / "config.json").is_file() else {}

@@ -115,6 +115,8 @@ def test_three_steps_heads_learn_kl_stays_small_and_final_is_servable(tiny_model
     original = drafter.meta["original_verifier"]
     assert drafter.kind == "medusa" and original["fingerprint"] == fingerprint(tiny_llama(dtype=torch.float32))
     assert (final / "verifier" / "tokenizer.json").is_file()
+    with pytest.raises(DraftsmithError, match="is a Medusa-2 output: pass drafter=.*/heads and model.path=.*/verifier"):
+        load_drafter(final)
 
     # decode/evaluate.py against the TUNED verifier: greedy token-identical, and the drift reported
     from draftsmith.decode.evaluate import run as evaluate
