@@ -202,16 +202,22 @@ def drift_metrics(totals: dict) -> dict:
             "eval/ppl_original": math.exp(totals.get("lm/nll_original", 0.0) / n)}
 
 
+def lora_config(mcfg, dropout: float):
+    """method.lora as peft's LoraConfig (dropout apart: 0 when only merging)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=dropout,
+                      target_modules=list(mcfg.lora.target_modules), bias="none")
+
+
 def build_backbone(model, mcfg):
     """-> (trainable backbone, teacher): LoRA on the projections (teacher = adapters off, None)
     or the full model (teacher = a frozen copy of the original)."""
     model.requires_grad_(False)
     if mcfg.backbone == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        lora = LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=float(mcfg.lora.dropout),
-                          target_modules=list(mcfg.lora.target_modules), bias="none")
-        return get_peft_model(model, lora), None
+        return get_peft_model(model, lora_config(mcfg, float(mcfg.lora.dropout))), None
     teacher = copy.deepcopy(model).eval()
     return model.requires_grad_(True), teacher
 
@@ -226,11 +232,9 @@ def merged_verifier(joint: MedusaJoint, state: dict, mcfg):
     prefix = "backbone."
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if mcfg.backbone == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        lora = LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=0.0,
-                          target_modules=list(mcfg.lora.target_modules), bias="none")
-        fresh = get_peft_model(fresh, lora)
+        fresh = get_peft_model(fresh, lora_config(mcfg, 0.0))
         fresh.load_state_dict(sub, strict=True)
         return fresh.merge_and_unload().eval()
     fresh.load_state_dict(sub, strict=True)

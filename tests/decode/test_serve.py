@@ -3,7 +3,6 @@ to decode/evaluate.py's, seeded sampling reproducible, streaming (SSE, usage), n
 the bounded queue (429), a disconnecting client freeing the engine, timeouts, /metrics, and a
 400 naming the field for every kind of bad input, after which the server keeps serving."""
 import json
-import socket
 import threading
 import time
 
@@ -16,18 +15,13 @@ from draftsmith.decode.serve import Engine, TextStream, make_app
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import fingerprint
+from scripts.bench_serve import free_port
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama
 
 openai = pytest.importorskip("openai")
 MESSAGES = [{"role": "user", "content": "Tell me about cats."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
