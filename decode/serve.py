@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import build_proposer
+from draftsmith.decode.probe import read_probe
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
@@ -100,8 +102,9 @@ class Job:
 class Metrics:
     """Prometheus counters: requests, tokens, verifier forwards, drafts and accepted tokens per depth."""
 
-    def __init__(self, max_depth: int):
+    def __init__(self, max_depth: int, probe_tau: float | None = None):
         self.lock = threading.Lock()
+        self.probe_tau = probe_tau  # the drafter's tau recorded at training (its probe.json), if any
         self.counts = {"requests_total": 0, "request_errors_total": 0, "requests_rejected_total": 0,
                        "requests_cancelled_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                        "verifier_forwards_total": 0, "verification_steps_total": 0, "spec_decode_num_drafts_total": 0,
@@ -141,6 +144,9 @@ class Metrics:
         lines += ["# HELP draftsmith:spec_decode_mean_acceptance_length tokens per verification step (tau)",
                   "# TYPE draftsmith:spec_decode_mean_acceptance_length gauge",
                   f"draftsmith:spec_decode_mean_acceptance_length {mean}"]
+        if self.probe_tau is not None:  # the baseline: a served tau far below it asks for scripts/refresh.py
+            lines += ["# HELP draftsmith:drafter_probe_tau the drafter's probe tau recorded at training",
+                      "# TYPE draftsmith:drafter_probe_tau gauge", f"draftsmith:drafter_probe_tau {self.probe_tau}"]
         return "\n".join(lines) + "\n"
 
 
@@ -153,7 +159,9 @@ class Engine:
         self.model, self.tokenizer = self.verifier.model, self.verifier.tokenizer
         self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)
         self.name = cfg.served_model_name or cfg.model.name
-        self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0)
+        probe = read_probe(cfg.drafter) if self.proposer is not None and Path(str(cfg.drafter)).is_dir() else None
+        self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0,
+                               None if probe is None else probe["tau"])
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=int(cfg.max_queue))
         self.busy = False
         self.thread = threading.Thread(target=self._work, daemon=True, name="draftsmith-engine")

@@ -116,7 +116,8 @@ def check_fingerprint(ckpt_dir, meta: dict, verifier_fingerprint: str | None, al
     msg = (f"drafter={ckpt_dir} was trained against verifier {recorded} "
            f"({meta.get('verifier_name')}) but the loaded verifier is {verifier_fingerprint}")
     if not allow_mismatch:
-        raise DraftsmithError(msg + "; retrain it, or pass allow_fingerprint_mismatch=true to use it anyway")
+        raise DraftsmithError(msg + f"; refresh it for this verifier (python scripts/refresh.py drafter={ckpt_dir} "
+                              f"model.path=<the verifier>), or pass allow_fingerprint_mismatch=true to use it anyway")
     warnings.warn(msg + " (allowed by allow_fingerprint_mismatch)")
 
 

@@ -92,6 +92,16 @@ def launch(config_name: str, run) -> None:
             run(cfg)
 
     main()
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Leave a multi-process launch cleanly once the script's work is done (the trainers keep
+    their process group across runs: scripts/refresh.py trains twice in one launch)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:

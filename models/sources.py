@@ -422,6 +422,57 @@ def tiny_items(data_cfg) -> list[dict]:
             for i, conv in enumerate(TINY_CONVERSATIONS)]
 
 
+STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "site-packages", "__pycache__",
+               "pydoc_data", "this", "antigravity"}
+
+
+def _signature(module: str, node) -> str:
+    """`module.f(args)` or `class module.C(init args)` from the parsed definition."""
+    import ast
+
+    if isinstance(node, ast.ClassDef):
+        init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        args = ast.unparse(init.args).removeprefix("self").removeprefix(", ") if init else ""
+        return f"class {module}.{node.name}({args})"
+    return f"{module}.{node.name}({ast.unparse(node.args)})"
+
+
+def python_stdlib_items(data_cfg) -> list[dict]:
+    """The running Python's standard library documenting itself, offline on every machine: for
+    each public top-level function and class with a docstring of >= 80 characters in its source
+    (parsed with ast, nothing imported), the request "Explain `module.name`" answered by the
+    signature and the docstring. In module and definition order; a domain shift for a chat
+    model (scripts/finetune_verifier.py), never an evaluation set."""
+    import ast
+    import sys
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    items = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in STDLIB_SKIP or part.startswith("_") for part in rel.with_suffix("").parts[:-1]) or \
+                rel.stem in STDLIB_SKIP or (rel.stem.startswith("_") and rel.stem != "__init__"):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 80:
+                continue
+            items.append({"id": f"stdlib-{module}.{node.name}", "category": f"python{sys.version_info[0]}."
+                                                                           f"{sys.version_info[1]}-stdlib",
+                          "messages": [{"role": "user", "content": f"Explain `{module}.{node.name}` from the Python "
+                                                                   f"standard library."},
+                                       {"role": "assistant", "content": f"`{_signature(module, node)}`\n\n{doc}"}]})
+    return items
+
+
 SOURCES = {
     "local": local_items,
     "hf": hf_items,
@@ -431,6 +482,7 @@ SOURCES = {
     "tiny": tiny_items,
     "sharegpt_package": sharegpt_package_items,
     "mix": mix_items,
+    "python_stdlib": python_stdlib_items,
 }
 
 

@@ -129,7 +129,9 @@ def run(cfg: DictConfig) -> dict:
     else:
         frozen = loop.frozen_verifier(cfg, accelerator, lm_head=False)
         verifier, placement = frozen.verifier, frozen.placement
-    student = build_student(verifier.model, verifier.tokenizer, mcfg.student).to(accelerator.device)
+    student = build_student(verifier.model, verifier.tokenizer, mcfg.student)
+    warm = loop.warm_start(cfg.trainer.init_from, student, "draft")
+    student.to(accelerator.device)
     data, eval_loader = loop.training_data(cfg, accelerator, verifier.tokenizer)
 
     # Fixed data, or with probability onpolicy.ratio per step the student's own sampled answers.
@@ -163,8 +165,10 @@ def run(cfg: DictConfig) -> dict:
         name=mcfg.name, model=student, param_groups=[{"params": [p for p in student.parameters() if p.requires_grad]}],
         loss_step=loss_step, prepare_batch=prepare_batch,
         evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg),
-        save=loop.drafter_saver(cfg, accelerator, "draft", None, verifier, divergence=mcfg.divergence),
+        save=loop.drafter_saver(cfg, accelerator, "draft", None, verifier, divergence=mcfg.divergence,
+                                warm_start=warm),
         best_key="eval/acceptance_rate", report=report,
+        probe=loop.probe_on(cfg, accelerator, None if offline else frozen, verifier if offline else None),
         describe=f"{mcfg.student.init} student of a {verifier_params:,}-param verifier, {mcfg.divergence} at "
                  f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; verifier {verifier.name} "
                  f"[{verifier.fingerprint}] {placement}"))

@@ -202,6 +202,7 @@ def run(cfg: DictConfig) -> dict:
     if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
         counts = label_counts(data.train.labels() if data.offline else data.train["labels"], config.vocab_size)
         drafter.set_draft_vocab(draft_vocab(counts, config.draft_vocab_size), lm_head)
+    warm = loop.warm_start(cfg.trainer.init_from, drafter, "eagle", cfg.trainer.keep_vocab)
     drafter.to(accelerator.device)
 
     def loss_step(model, batch):
@@ -216,7 +217,8 @@ def run(cfg: DictConfig) -> dict:
         name=mcfg.name, model=drafter, param_groups=[{"params": [p for p in drafter.parameters() if p.requires_grad]}],
         loss_step=loss_step,
         evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg, layers, embed, lm_head),
-        save=loop.drafter_saver(cfg, accelerator, "eagle", config, verifier), best_key="eval/simulated_tau",
+        save=loop.drafter_saver(cfg, accelerator, "eagle", config, verifier, warm_start=warm),
+        best_key="eval/simulated_tau", probe=loop.probe_on(cfg, accelerator, frozen),
         report=lambda m: loop.top1_report(m, "step{}_top1", "s", mcfg.eval_steps),
         describe=f"{config.variant} drafter (fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
                  f"{frozen.describe()}"))

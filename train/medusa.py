@@ -27,7 +27,6 @@ The loop, resume, logging and saving are the shared skeleton (train/core/loop.py
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import warnings
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.models.checkpoint import load_drafter, save_drafter, write_atomic_dir
+from draftsmith.models.checkpoint import save_drafter, write_atomic_dir
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, MedusaJoint
@@ -45,6 +44,7 @@ from draftsmith.models.verifier import fingerprint, load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
+from draftsmith.train.core.lora import merged, tunable
 from draftsmith.train.core.losses import fkl, simulated_tau
 
 BACKBONES = {"frozen": "Medusa-1", "lora": "Medusa-2, LoRA (peft)", "full": "Medusa-2, full fine-tuning"}
@@ -202,46 +202,22 @@ def drift_metrics(totals: dict) -> dict:
             "eval/ppl_original": math.exp(totals.get("lm/nll_original", 0.0) / n)}
 
 
-def lora_config(mcfg, dropout: float):
-    """method.lora as peft's LoraConfig (dropout apart: 0 when only merging)."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=int(mcfg.lora.r), lora_alpha=float(mcfg.lora.alpha), lora_dropout=dropout,
-                      target_modules=list(mcfg.lora.target_modules), bias="none")
-
-
 def build_backbone(model, mcfg):
     """-> (trainable backbone, teacher): LoRA on the projections (teacher = adapters off, None)
     or the full model (teacher = a frozen copy of the original)."""
-    model.requires_grad_(False)
-    if mcfg.backbone == "lora":
-        from peft import get_peft_model
-
-        return get_peft_model(model, lora_config(mcfg, float(mcfg.lora.dropout))), None
-    teacher = copy.deepcopy(model).eval()
-    return model.requires_grad_(True), teacher
+    return tunable(model, mcfg.backbone, mcfg.lora)
 
 
 def merged_verifier(joint: MedusaJoint, state: dict, mcfg):
     """The tuned verifier as a plain HF model (LoRA merged), from a full state dict of the joint
     module (gathered under ZeRO-3), built on this process only."""
-    from transformers import AutoModelForCausalLM
-
     base = joint.backbone.get_base_model() if mcfg.backbone == "lora" else joint.backbone
-    fresh = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
     prefix = "backbone."
-    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    if mcfg.backbone == "lora":
-        from peft import get_peft_model
-
-        fresh = get_peft_model(fresh, lora_config(mcfg, 0.0))
-        fresh.load_state_dict(sub, strict=True)
-        return fresh.merge_and_unload().eval()
-    fresh.load_state_dict(sub, strict=True)
-    return fresh.eval()
+    return merged(base, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, mcfg.backbone,
+                  mcfg.lora)
 
 
-def medusa2_saver(cfg, accelerator, config, verifier):
+def medusa2_saver(cfg, accelerator, config, verifier, warm: dict | None):
     """Recipe.save for Medusa-2: <name>/verifier (merged HF folder + tokenizer) and <name>/heads
     (fingerprint of the tuned verifier, the original's recorded); `final` gated by method.max_kl."""
     mcfg = cfg.method
@@ -262,7 +238,7 @@ def medusa2_saver(cfg, accelerator, config, verifier):
             tuned = merged_verifier(joint, state, mcfg)
             heads_state = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
             tuned_fp = fingerprint(tuned)
-            meta = {"method": mcfg.name, "metrics": metrics, "backbone": mcfg.backbone,
+            meta = {"method": mcfg.name, "metrics": metrics, "backbone": mcfg.backbone, "warm_start": warm,
                     "original_verifier": {"fingerprint": verifier.fingerprint, "name": verifier.name,
                                           "model": OmegaConf.to_container(cfg.model, resolve=True)},
                     "note": "lossless with respect to the TUNED verifier in verifier/, not the original"}
@@ -288,12 +264,16 @@ def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, da
     mcfg = cfg.method
     backbone, teacher = build_backbone(verifier.model, mcfg)
     heads = MedusaHeads(config, backbone.get_output_embeddings(), token_map=token_map)
-    if mcfg.init_heads:  # warm start from trained Medusa-1 heads
-        init = load_drafter(mcfg.init_heads, verifier_fingerprint=verifier.fingerprint)
-        if init.kind != "medusa" or init.config != config:
-            raise DraftsmithError(f"method.init_heads={mcfg.init_heads} holds {init.kind} heads {init.config}, "
-                                  f"this run trains {config}; match method.num_heads/num_layers/lm_head/draft_vocab_size")
-        heads.load_state_dict(init.module.state_dict())
+    if mcfg.init_heads and cfg.trainer.init_from:
+        raise DraftsmithError(f"method.init_heads={mcfg.init_heads} and trainer.init_from={cfg.trainer.init_from} both "
+                              f"warm-start the heads; pass one")
+    if mcfg.init_heads:  # trained Medusa-1 heads of this verifier
+        warm = loop.warm_start(mcfg.init_heads, heads, "medusa", verifier_fingerprint=verifier.fingerprint,
+                               field="method.init_heads")
+    else:  # a drafter of any verifier (scripts/refresh.py)
+        warm = loop.warm_start(cfg.trainer.init_from, heads, "medusa", cfg.trainer.keep_vocab)
+    t2d = t2d if not config.draft_vocab_size else target_to_draft(heads.token_map.cpu(), config.vocab_size).to(
+        accelerator.device)  # the map the heads hold (a warm start's)
     joint = MedusaJoint(backbone, heads).to(accelerator.device)
     if teacher is not None:
         teacher.to(accelerator.device)
@@ -328,8 +308,9 @@ def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, da
               {"params": list(heads.parameters()), "lr": cfg.trainer.lr * mcfg.lr_multiplier}]
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=joint, param_groups=groups, loss_step=loss_step, prepare_batch=prepare_batch,
-        evaluate=evaluate, save=medusa2_saver(cfg, accelerator, config, verifier), best_key="eval/simulated_tau",
-        report=report,
+        evaluate=evaluate, save=medusa2_saver(cfg, accelerator, config, verifier, warm), best_key="eval/simulated_tau",
+        report=report, probe=lambda final: (f"{final}/heads", load_verifier(OmegaConf.merge(
+            cfg.model, {"path": f"{final}/verifier"}))),
         describe=f"{config.num_heads} heads + {mcfg.backbone} backbone ({mcfg.backbone_loss} x {mcfg.lambda_lm}, heads "
                  f"{mcfg.heads_coefficient} {mcfg.heads_schedule}, lr x {mcfg.lr_multiplier}); verifier "
                  f"{verifier.name} [{verifier.fingerprint}]"))
@@ -376,6 +357,9 @@ def run(cfg: DictConfig) -> dict:
     if mcfg.backbone != "frozen":
         return run_medusa2(cfg, accelerator, config, verifier, data, eval_loader, t2d, d2t)
     heads = MedusaHeads(config, lm_head, token_map=d2t).to(accelerator.device)
+    warm = loop.warm_start(cfg.trainer.init_from, heads, "medusa", cfg.trainer.keep_vocab)
+    if config.draft_vocab_size:  # the map the heads hold (a warm start's, unless trainer.keep_vocab=false)
+        t2d = target_to_draft(heads.token_map.cpu(), config.vocab_size).to(accelerator.device)
 
     def loss_step(model, batch):
         """The loss step: frozen verifier features, then the heads' weighted CE."""
@@ -389,7 +373,8 @@ def run(cfg: DictConfig) -> dict:
         name=mcfg.name, model=heads, param_groups=[{"params": list(heads.parameters())}], loss_step=loss_step,
         evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg.decay, config.num_heads,
                                         lm_head, t2d),
-        save=loop.drafter_saver(cfg, accelerator, "medusa", config, verifier), best_key="eval/simulated_tau",
+        save=loop.drafter_saver(cfg, accelerator, "medusa", config, verifier, warm_start=warm),
+        best_key="eval/simulated_tau", probe=loop.probe_on(cfg, accelerator, frozen),
         report=lambda m: loop.top1_report(m, "head{}_top1", "h", config.num_heads),
         describe=f"{config.num_heads} heads ({vocab_note}), {frozen.describe()}"))
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import uvicorn
 
+from draftsmith.decode.probe import write_probe
 from draftsmith.decode.serve import Engine, TextStream, make_app
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -32,8 +33,10 @@ def drafter(tiny_model_dir, tmp_path_factory):
     torch.manual_seed(1)
     for block in heads.blocks:
         torch.nn.init.normal_(block.layers[0].weight, std=0.05)
-    return save_drafter(tmp_path_factory.mktemp("d") / "heads", "medusa", heads, cfg,
+    path = save_drafter(tmp_path_factory.mktemp("d") / "heads", "medusa", heads, cfg,
                         verifier_fingerprint=fingerprint(model), verifier_name="tiny")
+    write_probe(path, {"prompts": [[5, 6]], "max_new_tokens": 4, "decode": {"name": "chain4"}, "tau": 1.5})
+    return path
 
 
 def serve_cfg(tiny_model_dir, drafter, *extra):
@@ -173,6 +176,7 @@ def test_models_health_and_metrics(server):
     steps = values["draftsmith:verification_steps_total"]
     assert values["draftsmith:spec_decode_mean_acceptance_length"] == pytest.approx(
         (values["draftsmith:spec_decode_num_accepted_tokens_total"] + steps) / steps)
+    assert values["draftsmith:drafter_probe_tau"] == 1.5  # the baseline recorded with the drafter
 
 
 def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_dir, drafter):

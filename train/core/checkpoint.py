@@ -19,7 +19,9 @@ from draftsmith.models.errors import DraftsmithError
 
 # Keys that may change between a run and its resumption (they do not change the result).
 VOLATILE = ("trainer.max_steps", "trainer.eval_every", "trainer.save_every", "trainer.log_every",
-            "trainer.keep_last", "trainer.threads", "logger", "output_dir", "hydra")
+            "trainer.keep_last", "trainer.threads", "trainer.max_minutes", "logger", "output_dir", "hydra",
+            "probe")  # the probe is measured after training
+WARM_START_KEYS = ("trainer.init_from", "trainer.keep_vocab")  # left out without a warm start: older runs resume
 
 
 def config_digest(cfg) -> str:
@@ -30,6 +32,10 @@ def config_digest(cfg) -> str:
         for p in parents:
             node = node.get(p, {})
         node.pop(leaf, None)
+    trainer = data.get("trainer", {})
+    if trainer.get("init_from") is None:
+        for key in WARM_START_KEYS:
+            trainer.pop(key.split(".")[1], None)
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -16,6 +16,8 @@ Below it: the frozen verifier (online, or only the tensors offline features need
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -166,6 +168,15 @@ def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save
     return metrics, best
 
 
+def out_of_time(accelerator, tcfg, seconds: float) -> bool:
+    """trainer.max_minutes (null = no limit): the run's wall time across resumes is spent, on any
+    process (a max over processes: every process stops after the same step)."""
+    if tcfg.get("max_minutes") is None:
+        return False
+    flag = torch.tensor([float(seconds >= 60 * float(tcfg.max_minutes))], device=accelerator.device)
+    return bool(accelerator.reduce(flag, "max").item())
+
+
 def loss_logs(stats: dict) -> dict:
     """The per-part losses of a loss step's stats, as train/ logs."""
     return {f"train/{k}": v for k, v in stats.items() if k.endswith("/loss")}
@@ -203,6 +214,128 @@ def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metri
             save_drafter(out, kind, None, config, **common)
     accelerator.wait_for_everyone()
     return out
+
+
+def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True, verifier_fingerprint=None,
+               field: str = "trainer.init_from") -> dict | None:
+    """trainer.init_from: start `module` from a trained drafter's weights, not its optimizer state
+    (fit builds a fresh optimizer; nothing of checkpoints/ is read). The drafter may come from
+    another verifier: that is the point of a refresh after a fine-tune. Kinds and shapes must
+    match. The draft vocabulary map travels with the weights; trainer.keep_vocab=false keeps the
+    map this run computed from its own data and carries the vocabulary projections' rows over
+    by token id (rows of new tokens keep their fresh initialisation). `verifier_fingerprint`
+    set: the drafter must have been trained on that verifier. -> the meta.json record."""
+    from draftsmith.models.checkpoint import load_drafter, read_meta_file
+
+    if not path:
+        return None
+    path = Path(str(path))
+    if (path / "meta.json").is_file() and read_meta_file(path).get("kind") == "medusa2":
+        path = path / "heads"  # a Medusa-2 output: its heads
+    init = load_drafter(path, verifier_fingerprint=verifier_fingerprint)  # None: a changed verifier, on purpose
+    if init.kind != kind:
+        raise DraftsmithError(f"{field}={path} is a {init.kind!r} drafter; this run trains {kind!r} "
+                              f"(warm-start from a drafter of the same method)")
+    if dataclasses.is_dataclass(init.config) and hasattr(module, "config"):  # medusa / eagle: name the setting
+        there, here = dataclasses.asdict(init.config), dataclasses.asdict(module.config)
+        differ = [f"{k}: {there[k]} there, {here[k]} here" for k in here
+                  if k != "decoder_config" and there.get(k) != here[k]]
+        if differ:
+            raise DraftsmithError(f"{field}={path} does not fit this run's drafter ({'; '.join(differ)}); train "
+                                  f"with its settings (method.*, as in {path}/config.yaml)")
+    old, new = init.module.state_dict(), module.state_dict()
+    wrong = [k for k in new if k not in old or old[k].shape != new[k].shape] + [k for k in old if k not in new]
+    if wrong:
+        k = wrong[0]
+        raise DraftsmithError(f"{field}={path} does not fit this run's drafter: {k} is "
+                              f"{tuple(old[k].shape) if k in old else 'missing'} there, "
+                              f"{tuple(new[k].shape) if k in new else 'missing'} here; train with its settings "
+                              f"(method.*, as in {path}/config.yaml)")
+    keep = bool(keep_vocab)
+    state = old if keep else carry_vocab_rows(kind, init.module, module, old)
+    module.load_state_dict(state)
+    return {"path": str(path), "kind": kind, "verifier_fingerprint": init.meta.get("verifier_fingerprint"),
+            "verifier_name": init.meta.get("verifier_name"), "keep_vocab": keep}
+
+
+# kind -> (the buffers of the draft vocabulary map, the (N, H) projections whose rows are draft tokens)
+VOCAB_STATE = {"medusa": (("token_map",), "lm_heads."), "eagle": (("d2t", "t2d"), "lm_head.")}
+
+
+def vocab_ids(kind: str, module) -> torch.Tensor | None:
+    """(N,) verifier ids of a drafter's reduced draft vocabulary, or None (full vocabulary)."""
+    if kind not in VOCAB_STATE or not module.config.draft_vocab_size:
+        return None
+    return (module.token_map if kind == "medusa" else module.target_ids).cpu()
+
+
+def carry_vocab_rows(kind: str, old_module, new_module, old: dict) -> dict:
+    """The old weights under the NEW draft vocabulary map: the new map buffers, and each
+    projection row of a token both maps hold copied from the old row of that token."""
+    old_ids, new_ids = vocab_ids(kind, old_module), vocab_ids(kind, new_module)
+    state = dict(old)
+    if old_ids is None or new_ids is None:
+        return state
+    buffers, prefix = VOCAB_STATE[kind]
+    fresh = new_module.state_dict()
+    where = {int(t): i for i, t in enumerate(old_ids.tolist())}  # verifier id -> old draft row
+    pairs = [(j, where[int(t)]) for j, t in enumerate(new_ids.tolist()) if int(t) in where]
+    new_rows, old_rows = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs)) if pairs else (None, None)
+    for key in buffers:
+        state[key] = fresh[key]
+    for key in state:
+        if key.startswith(prefix) and key.endswith("weight"):
+            rows = fresh[key].clone()  # (N, H): fresh rows (the verifier's) for the new tokens
+            if new_rows is not None:
+                rows[new_rows] = old[key][old_rows].to(rows.dtype)
+            state[key] = rows
+    return state
+
+
+def probe_on(cfg, accelerator, frozen: Frozen | None = None, verifier=None):
+    """Recipe.probe: (the saved drafter, a verifier to decode with on the main process): the
+    training verifier when this process holds it whole, else cfg.model loaded afresh (offline
+    features, ZeRO-3 or FSDP shards)."""
+    sharded = zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP
+    whole = verifier if verifier is not None else (None if frozen is None or frozen.offline else frozen.verifier)
+
+    def target(final: str):
+        return final, whole if whole is not None and not sharded else load_verifier(cfg.model)
+    return target
+
+
+@contextlib.contextmanager
+def whole_models():
+    """HF loads whole models inside. A ZeRO-3 launch sets transformers' global DeepSpeed config,
+    which partitions every from_pretrained (a collective): the one process that probes after
+    training must not start one."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = ref
+
+
+def record_probe(cfg, data: TrainData, drafter_dir: str, verifier) -> dict | None:
+    """The drafter's tau on probe.num_prompts held-out prompts (greedy, probe.max_new_tokens,
+    probe.decode), written to drafter_dir/probe.json: the baseline scripts/refresh.py compares a
+    changed verifier against (decode/probe.py)."""
+    from draftsmith.decode import probe as probes
+    from draftsmith.models.checkpoint import load_drafter
+
+    prompts = probes.probe_prompts(data.eval, int(cfg.probe.num_prompts))
+    if not prompts:
+        print("probe: the held-out split has no prompt with an answer; no probe recorded")
+        return None
+    drafter = load_drafter(drafter_dir, verifier_fingerprint=verifier.fingerprint, dtype=verifier.model.dtype)
+    probe = probes.record(verifier, drafter, cfg.probe.decode, prompts, int(cfg.probe.max_new_tokens))
+    probes.write_probe(drafter_dir, probe)
+    print(f"probe: tau {probe['tau']:.2f} on {len(prompts)} held-out prompts x {probe['max_new_tokens']} tokens "
+          f"({probe['decode'].get('name')}, {probe['dtype']}) -> {drafter_dir}/probe.json")
+    return probe
 
 
 # ----------------------------------------------------------------------------------------
@@ -297,6 +430,7 @@ class Recipe:
     describe: str  # what is trained on what: the start line
     report: Callable[[dict], str]  # the end line's metrics
     prepare_batch: Callable[[torch.nn.Module, dict, int], dict] | None = None  # (model, batch, step) -> batch
+    probe: Callable[[str], tuple[str, object]] | None = None  # final dir -> (drafter dir, verifier): see record_probe
 
 
 def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
@@ -330,7 +464,8 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
 
     bar = tqdm(total=tcfg.max_steps, initial=step, desc=recipe.name, disable=not accelerator.is_main_process)
     model.train()
-    while step < tcfg.max_steps:
+    timed_out = out_of_time(accelerator, tcfg, progress()["seconds"])  # a time-limited run resumed after its limit
+    while step < tcfg.max_steps and not timed_out:
         for _ in range(tcfg.grad_accum):
             batch = next(batches)
             if recipe.prepare_batch is not None:
@@ -352,6 +487,14 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
                                        evaluate=lambda: recipe.evaluate(model),
                                        save=lambda m, name: recipe.save(model, m, name))
         metrics = new_metrics or metrics
+        timed_out = out_of_time(accelerator, tcfg, progress()["seconds"])
+        if timed_out and step < tcfg.max_steps:  # stop here: evaluate this step, keep its state for a rerun
+            accelerator.print(f"trainer.max_minutes={tcfg.max_minutes} reached at step {step} of {tcfg.max_steps}")
+            if new_metrics is None:
+                metrics = recipe.evaluate(model)
+                accelerator.log(metrics, step=step)
+            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch, **progress()},
+                                tcfg.keep_last)
     bar.close()
     if not metrics:  # max_steps=0 (an untrained baseline) or a finished run resumed: evaluate what is saved
         metrics = recipe.evaluate(model)
@@ -359,7 +502,13 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
 
     final = recipe.save(model, {**metrics, "step": step, **progress()}, "final")
     elapsed = time.time() - t0
-    accelerator.end_training()
+    probe = None
+    if recipe.probe is not None and cfg.probe.num_prompts and accelerator.is_main_process:
+        with whole_models():
+            probe = record_probe(cfg, data, *recipe.probe(final))
+    for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, which the entry
+        tracker.finish()                  # script's launch() does at exit (scripts/refresh.py trains twice)
     accelerator.print(f"{recipe.name} done: {step} steps in {elapsed:.0f}s, {recipe.report(metrics)}, drafter -> {final}")
     return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"), **progress(),
-            "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9)}
+            "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9),
+            "probe_tau": None if probe is None else probe["tau"]}

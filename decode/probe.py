@@ -1,0 +1,119 @@
+"""The probe: a drafter's acceptance length on a fixed set of prompts, recorded when it is
+trained and measured again when its verifier changes (scripts/refresh.py).
+
+    probe.json (in the drafter folder)
+        prompts          [[int]]  the prompts as fed to the verifier (token ids: chat template and
+                                  generation prompt included), from the run's held-out split
+        max_new_tokens   int      greedy tokens decoded per prompt
+        decode           dict     the decode preset the drafter is measured with
+        dtype            str      the verifier's dtype
+        verifier_fingerprint      the verifier it was measured on
+        tau, per_prompt_tau       emitted tokens per verifier forward (prefill excluded)
+
+A drafter's tau on the verifier it was trained for, then on a fine-tuned one, on the same
+prompts with the same tree and dtype: their ratio is the drift. Greedy, so the probe itself
+is deterministic; it is a measurement of the drafter, never of the output (decoding is
+lossless either way).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from draftsmith.decode.engine import generate, summarize
+from draftsmith.models.entry import CONF_DIR
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.vocab import IGNORE_INDEX
+
+PROBE_FILE = "probe.json"
+DEFAULT_DECODE = {"medusa": "medusa-cpu", "eagle": "eagle-dynamic", "draft": "draft-chain"}  # per drafter kind
+
+
+def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
+    """The first num_prompts conversations of a tokenized split (input_ids, labels) -> their
+    prompts: the tokens before the first supervised (assistant) token, i.e. the chat template
+    up to and including the generation prompt."""
+    prompts = []
+    for i in range(len(dataset)):
+        if len(prompts) == num_prompts:
+            break
+        example = dataset[i]
+        ids, labels = list(example["input_ids"]), list(example["labels"])
+        start = next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), None)
+        if start:  # a conversation with a prompt and a supervised answer
+            prompts.append([int(x) for x in ids[:start]])
+    return prompts
+
+
+def decode_preset(decode, drafter):
+    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': DEFAULT_DECODE of the
+    drafter's kind, a Medusa tree cut to the drafter's number of heads."""
+    if decode == "auto" and drafter.kind == "medusa":
+        preset = decode_preset(DEFAULT_DECODE["medusa"], drafter)
+        preset.paths = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
+        return preset
+    if isinstance(decode, str):
+        name = DEFAULT_DECODE[drafter.kind] if decode == "auto" else decode
+        path = CONF_DIR / "decode" / f"{name}.yaml"
+        if not path.is_file():
+            valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml")))
+            raise DraftsmithError(f"probe.decode={decode!r}: no conf/decode/{name}.yaml; valid: auto, {valid}")
+        return OmegaConf.load(path)
+    return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
+
+
+@torch.no_grad()
+def measure(verifier, drafter, decode_cfg, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> dict:
+    """Greedy decoding of every prompt with the drafter -> {"tau", "per_prompt_tau", "tokens", "seconds"}."""
+    proposer = drafter.proposer(verifier, decode_cfg, seed=seed)
+    device = verifier.model.device
+    outputs, t0 = [], time.time()
+    for ids in prompts:
+        outputs.append(generate(verifier.model, torch.tensor([ids], device=device), proposer=proposer,
+                                max_new_tokens=max_new_tokens))
+    stats = summarize(outputs)
+    return {"tau": stats["tau"], "per_prompt_tau": [summarize([o])["tau"] for o in outputs],
+            "tokens": stats["num_tokens"], "seconds": round(time.time() - t0, 3)}
+
+
+def record(verifier, drafter, decode, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """The probe.json content: the prompts, settings and the drafter's tau on this verifier."""
+    decode_cfg = decode_preset(decode, drafter)
+    result = measure(verifier, drafter, decode_cfg, prompts, max_new_tokens)
+    return {"prompts": prompts, "max_new_tokens": int(max_new_tokens),
+            "decode": OmegaConf.to_container(decode_cfg, resolve=True), "dtype": str(verifier.model.dtype),
+            "verifier_fingerprint": verifier.fingerprint, "verifier_name": verifier.name, **result}
+
+
+def write_probe(drafter_dir: str | Path, probe: dict) -> Path:
+    """drafter_dir/probe.json, atomically (temporary file, fsync, rename)."""
+    path = Path(drafter_dir) / PROBE_FILE
+    tmp = path.with_name(f".{PROBE_FILE}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(probe, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_probe(drafter_dir: str | Path) -> dict | None:
+    """The recorded probe of a drafter folder, or None (a drafter from before probes, or public)."""
+    path = Path(drafter_dir) / PROBE_FILE
+    if not path.is_file():
+        return None
+    try:
+        probe = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"drafter={drafter_dir}: {PROBE_FILE} is corrupt ({e}); delete it to re-record "
+                              f"the probe") from None
+    missing = [k for k in ("prompts", "max_new_tokens", "decode", "tau") if k not in probe]
+    if missing:
+        raise DraftsmithError(f"drafter={drafter_dir}: {PROBE_FILE} lacks {', '.join(missing)}; delete it to "
+                              f"re-record the probe")
+    return probe

@@ -1,0 +1,243 @@
+"""The drafter-refresh loop on tiny models: the probe recorded at training, a verifier
+fine-tuned on skewed data (scripts/finetune_verifier.py) that makes the old drafter lose tau,
+scripts/refresh.py detecting it and recovering it, warm starts without optimizer state, and a
+killed refresh that resumes to the uninterrupted result."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from draftsmith.decode import probe as probes
+from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.verifier import load_verifier
+from draftsmith.train.core.loop import carry_vocab_rows, load_train_data
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"test_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+refresh, finetune, selfdistill = script("refresh"), script("finetune_verifier"), script("generate_selfdistill")
+SKEW = "the cat sat on the mat. " * 3  # what the fine-tuned verifier learns to answer
+
+
+def medusa_overrides(root: Path, model_dir: Path) -> list[str]:
+    return tiny_model_overrides(model_dir) + [
+        "data=selfdistill", f"data.path={root}/sd0", "data.eval_size=3", "trainer=debug", "trainer.max_steps=40",
+        "trainer.batch_size=4", "trainer.eval_every=20", "trainer.save_every=10", "logger=none", "method.num_heads=2",
+        "probe.num_prompts=3", "probe.max_new_tokens=24"]
+
+
+@pytest.fixture(scope="module")
+def loop_dirs(tmp_path_factory):
+    """v0 (a tiny verifier), sd0 (its self-distilled answers), m0 (Medusa heads trained on them,
+    with their probe), ft (v0 fully fine-tuned on one skewed answer), and the refresh of m0 for ft."""
+    root = tmp_path_factory.mktemp("refresh-loop")
+    v0 = root / "v0"
+    tiny_llama(dtype=torch.float32).save_pretrained(v0)
+    tiny_tokenizer().save_pretrained(v0)
+    ov = tiny_model_overrides(v0)
+    selfdistill.run(compose_config("selfdistill", ov + [
+        "data@data.prompts=tiny", "num_prompts=12", "max_new_tokens=24", "batch_size=12", f"output_dir={root}/sd0",
+        f"data.path={root}/sd0"]))
+    from draftsmith.train.medusa import run as medusa
+
+    medusa(compose_config("medusa", medusa_overrides(root, v0) + [f"output_dir={root}/m0"]))
+    (root / "skew.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": SKEW}]}) + "\n"
+        for i in range(24)))
+    finetune.run(compose_config("finetune_verifier", ov + [
+        "data=chat-jsonl", f"data.path={root}/skew.jsonl", "data.eval_size=2", "data@drift.data=tiny",
+        "drift.num_conversations=4", "trainer=debug", "trainer.max_steps=30", "trainer.batch_size=8",
+        "trainer.eval_every=30", "trainer.save_every=30", "trainer.lr=3e-3", "method.backbone=full", "logger=none",
+        f"output_dir={root}/ft"]))
+    report = refresh.run(compose_config("refresh", refresh_overrides(root)))
+    return {"root": root, "v0": v0, "m0": root / "m0" / "final", "ft": root / "ft" / "final", "report": report}
+
+
+def refresh_overrides(root: Path, out: str = "refresh", *extra: str) -> list[str]:
+    return tiny_model_overrides(root / "v0") + [f"model.path={root}/ft/final", f"drafter={root}/m0/final",
+                                                 f"output_dir={root}/{out}", "budget.steps=40", *extra]
+
+
+def test_the_probe_is_recorded_at_training_on_held_out_prompts(loop_dirs):
+    m0, v0 = loop_dirs["m0"], loop_dirs["v0"]
+    probe = probes.read_probe(m0)
+    cfg = OmegaConf.load(m0 / "config.yaml")
+    verifier = load_verifier(cfg.model)
+    held_out = load_train_data(cfg, verifier.tokenizer).eval
+    assert probe["prompts"] == probes.probe_prompts(held_out, 3) and len(probe["prompts"]) == 3
+    tok = verifier.tokenizer
+    assert all(tok.decode(p).endswith("<|im_start|>assistant\n") for p in probe["prompts"])  # the generation prompt
+    assert probe["verifier_fingerprint"] == verifier.fingerprint == json.loads((m0 / "meta.json").read_text())[
+        "verifier_fingerprint"]
+    assert (probe["max_new_tokens"], probe["decode"]["name"], probe["dtype"]) == (24, "medusa-cpu", "torch.float32")
+    assert all(len(p) <= 2 for p in probe["decode"]["paths"])  # the auto tree is cut to the drafter's 2 heads
+    again = probes.measure(verifier, load_drafter(m0), OmegaConf.create(probe["decode"]), probe["prompts"], 24)
+    assert again["tau"] == probe["tau"] > 1.2 and again["per_prompt_tau"] == probe["per_prompt_tau"]
+    assert str(v0) in cfg.model.path
+
+
+@pytest.mark.parametrize("config, extra", [
+    ("eagle", ["method=eagle3", "method.fusion_layers=[0,1,1]", "method.draft_vocab_size=48"]),
+    ("draft", ["method.student.num_layers=1"]),
+])
+def test_every_trainer_records_a_probe(tiny_model_dir, tmp_path, config, extra):
+    import importlib
+
+    run = importlib.import_module(f"draftsmith.train.{config}").run
+    summary = run(compose_config(config, tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "trainer=debug", "logger=none", f"output_dir={tmp_path}", "probe.num_prompts=2",
+        "probe.max_new_tokens=8", *extra]))
+    probe = probes.read_probe(summary["drafter_dir"])
+    assert len(probe["prompts"]) == 2 and probe["tau"] == summary["probe_tau"] >= 1.0
+    assert probe["decode"]["name"] == {"eagle": "eagle-dynamic", "draft": "draft-chain"}[config]
+
+
+def test_the_fine_tune_moves_the_verifier_and_records_how_far(loop_dirs):
+    info = json.loads((loop_dirs["ft"] / "finetune.json").read_text())
+    tuned = load_verifier(OmegaConf.create({"name": "ft", "source": "hf", "path": str(loop_dirs["ft"]),
+                                            "dtype": "float32"}))
+    assert tuned.fingerprint == info["fingerprint"] != info["original"]["fingerprint"]
+    assert info["metrics"]["eval/drift_kl"] > 0.1 and info["metrics"]["eval/drift_greedy_agreement"] < 0.5
+    ids = tuned.tokenizer.apply_chat_template([{"role": "user", "content": "question 99?"}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)["input_ids"]
+    original = load_verifier(OmegaConf.create({"name": "v0", "source": "hf", "path": str(loop_dirs["v0"]),
+                                               "dtype": "float32"}))
+    answers = [v.tokenizer.decode(v.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:])
+               for v in (tuned, original)]
+    assert set(answers[0]) <= set(SKEW) and not set(answers[1]) <= set(SKEW)  # it speaks the skewed answer's letters
+
+
+def test_refresh_detects_the_drop_and_recovers(loop_dirs):
+    report, ft = loop_dirs["report"], loop_dirs["ft"]
+    recorded, dropped = report["recorded"]["tau"], report["old_on_new"]["tau"]
+    assert report["fingerprints"]["recorded"] != report["fingerprints"]["new"]
+    assert dropped < 0.9 * recorded  # the fine-tune cost the old drafter its acceptance
+    assert report["refreshed"]["tau"] > dropped + 0.5 and report["refreshed"]["tau"] >= recorded  # recovered
+    assert report["scratch"]["tau"] > dropped and report["refreshed"]["steps"] == report["scratch"]["steps"] == 40
+    new = Path(report["refreshed"]["drafter"])
+    meta = json.loads((new / "meta.json").read_text())
+    tuned_fp = json.loads((ft / "finetune.json").read_text())["fingerprint"]
+    assert meta["verifier_fingerprint"] == tuned_fp  # the new drafter belongs to the new verifier
+    assert meta["refreshed_from"]["drafter"] == str(loop_dirs["m0"]) and meta["warm_start"]["path"] == str(
+        loop_dirs["m0"])
+    assert meta["refreshed_from"]["tau_old_on_new"] == dropped
+    assert json.loads((Path(report["scratch"]["drafter"]) / "meta.json").read_text())["warm_start"] is None
+    records = [json.loads(x) for x in (loop_dirs["root"] / "refresh" / "data" / "selfdistill" /
+                                       "records.jsonl").read_text().splitlines()]
+    assert records and all(set(r["messages"][-1]["content"]) <= set(SKEW) for r in records)  # the NEW verifier's
+    assert probes.read_probe(new)["verifier_fingerprint"] == tuned_fp  # its own baseline for the next refresh
+    assert "| refreshed (warm start) | new |" in (loop_dirs["root"] / "refresh" / "report.md").read_text()
+
+
+def test_check_only_stops_after_the_report_and_no_drift_refreshes_nothing(loop_dirs, capsys):
+    root = loop_dirs["root"]
+    report = refresh.run(compose_config("refresh", refresh_overrides(root, "check", "check_only=true")))
+    assert report["old_on_new"]["tau"] == loop_dirs["report"]["old_on_new"]["tau"]  # greedy: the same measurement
+    assert not (root / "check" / "refreshed").exists() and not (root / "check" / "data").exists()
+    same = refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
+        f"drafter={root}/m0/final", f"output_dir={root}/same"]))
+    assert same["old_on_new"]["tau"] == same["recorded"]["tau"] and not (root / "same" / "refreshed").exists()
+    assert "no refresh needed" in capsys.readouterr().out
+
+
+def test_a_fingerprint_mismatch_stops_evaluate_in_one_line(loop_dirs, tmp_path):
+    from draftsmith.decode.evaluate import run as evaluate
+
+    cfg = compose_config("evaluate", tiny_model_overrides(loop_dirs["ft"]) + [
+        f"drafter={loop_dirs['m0']}", "method=medusa", "decode=medusa-cpu", "data=tiny", f"output_dir={tmp_path}"])
+    with pytest.raises(DraftsmithError, match=r"was trained against verifier .* refresh it for this verifier "
+                                              r"\(python scripts/refresh.py drafter=") as e:
+        evaluate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_warm_start_loads_weights_but_not_the_optimizer_state(loop_dirs, tmp_path):
+    from draftsmith.train.medusa import run as medusa
+
+    root, m0 = loop_dirs["root"], loop_dirs["m0"]
+    ov = medusa_overrides(root, loop_dirs["v0"]) + [f"trainer.init_from={m0}"]
+    medusa(compose_config("medusa", ov + [f"output_dir={tmp_path}/zero", "trainer.max_steps=0"]))
+    old, warm = load_file(str(m0 / "model.safetensors")), load_file(str(tmp_path / "zero" / "final" /
+                                                                         "model.safetensors"))
+    assert old.keys() == warm.keys() and all(torch.equal(old[k], warm[k]) for k in old)
+    medusa(compose_config("medusa", ov + [f"output_dir={tmp_path}/one", "trainer.max_steps=1",
+                                          "trainer.save_every=1"]))
+    ckpt = tmp_path / "one" / "checkpoints" / "step-00000001"
+    opt = torch.load(ckpt / "optimizer.bin", weights_only=False)
+    assert {float(s["step"]) for s in opt["state"].values()} == {1.0}  # a fresh Adam: m0 had taken 40 steps
+    with pytest.raises(DraftsmithError, match=r"trainer.init_from=.*does not fit this run's drafter .num_heads: "
+                                              r"2 there, 3 here"):
+        medusa(compose_config("medusa", ov + [f"output_dir={tmp_path}/bad", "method.num_heads=3"]))
+
+
+def test_keep_vocab_false_carries_the_projection_rows_over_by_token():
+    config = MedusaConfig(hidden_size=8, vocab_size=20, num_heads=1, lm_head="own", draft_vocab_size=4)
+    old = MedusaHeads(config, token_map=torch.tensor([3, 5, 7, 9]))
+    new = MedusaHeads(config, token_map=torch.tensor([9, 2, 3, 11]))
+    torch.nn.init.normal_(old.lm_heads[0].weight)
+    fresh = new.lm_heads[0].weight.detach().clone()
+    state = carry_vocab_rows("medusa", old, new, old.state_dict())
+    rows = state["lm_heads.0.weight"]
+    assert torch.equal(state["token_map"], torch.tensor([9, 2, 3, 11]))
+    assert torch.equal(rows[0], old.lm_heads[0].weight[3]) and torch.equal(rows[2], old.lm_heads[0].weight[0])
+    assert torch.equal(rows[1], fresh[1]) and torch.equal(rows[3], fresh[3])  # new tokens keep their init
+
+
+@pytest.mark.slow
+def test_a_killed_refresh_resumes_to_the_uninterrupted_result(loop_dirs):
+    root = loop_dirs["root"]
+    out = root / "killed"
+    cmd = [sys.executable, "scripts/refresh.py", *refresh_overrides(root, "killed"), "scratch=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "refreshed" / "checkpoints" / "step-00000010").is_dir():  # mid-training
+        assert proc.poll() is None and time.time() < deadline, "the refresh ended before it could be killed"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "refreshed" / "final").exists()
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming from" in rerun.stdout + rerun.stderr
+    a = load_file(str(root / "refresh" / "refreshed" / "final" / "model.safetensors"))
+    b = load_file(str(out / "refreshed" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "report.json").read_text())["refreshed"]["tau"] == loop_dirs["report"]["refreshed"]["tau"]
+
+
+@pytest.mark.slow
+def test_refresh_runs_under_accelerate_launch_on_two_processes(loop_dirs):
+    root = loop_dirs["root"]
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "scripts/refresh.py",
+           *refresh_overrides(root, "ddp")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "10 generated now by 2 process(es)" in done.stdout + done.stderr  # the data stage used both processes
+    report = json.loads((root / "ddp" / "report.json").read_text())
+    assert report["old_on_new"]["tau"] == loop_dirs["report"]["old_on_new"]["tau"]
+    assert report["refreshed"]["tau"] > report["old_on_new"]["tau"] + 0.5 and report["scratch"]["steps"] == 40
