@@ -83,3 +83,12 @@ def test_wandb_logger_works_offline(tiny_model_dir, tmp_path, monkeypatch):
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs, list(out.iterdir())
     assert (out / "metrics.csv").is_file()  # the CSV copy is kept beside wandb
+
+
+def test_max_minutes_stops_evaluates_saves_and_a_rerun_stays_stopped(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = _cfg(tiny_model_dir, out, "trainer.max_steps=50", "trainer.eval_every=25", "trainer.max_minutes=1e-6")
+    summary = run(cfg)
+    assert summary["steps"] == 1 and "eval/simulated_tau" in summary  # the budget ran out after the first step
+    assert (out / "checkpoints" / "step-00000001").is_dir() and (out / "final" / "meta.json").is_file()
+    assert run(cfg)["steps"] == 1  # resumed past its budget: nothing more is trained

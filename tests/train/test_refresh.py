@@ -241,3 +241,27 @@ def test_refresh_runs_under_accelerate_launch_on_two_processes(loop_dirs):
     report = json.loads((root / "ddp" / "report.json").read_text())
     assert report["old_on_new"]["tau"] == loop_dirs["report"]["old_on_new"]["tau"]
     assert report["refreshed"]["tau"] > report["old_on_new"]["tau"] + 0.5 and report["scratch"]["steps"] == 40
+
+
+@pytest.mark.parametrize("config, extra", [
+    ("eagle", ["method=eagle3", "method.fusion_layers=[0,1,1]", "method.draft_vocab_size=48"]),
+    ("eagle", ["method=eagle1"]),
+    ("draft", ["method.student.num_layers=1"]),
+    ("medusa", ["method=medusa2", "method.lora.r=4", "method.max_kl=100", "method.num_heads=2"]),
+])
+def test_refresh_handles_every_drafter_kind(loop_dirs, tmp_path, config, extra):
+    import importlib
+
+    root = loop_dirs["root"]
+    run = importlib.import_module(f"draftsmith.train.{config}").run
+    old = run(compose_config(config, tiny_model_overrides(root / "v0") + [
+        "data=selfdistill", f"data.path={root}/sd0", "data.eval_size=3", "trainer=debug", "logger=none",
+        f"output_dir={tmp_path}/old", "probe.num_prompts=2", "probe.max_new_tokens=8", *extra]))
+    report = refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
+        f"model.path={root}/ft/final", f"drafter={old['drafter_dir']}", f"output_dir={tmp_path}/refresh",
+        "budget.steps=2", "scratch=false", "force=true"]))
+    new = Path(report["refreshed"]["drafter"])
+    meta = json.loads((new / "meta.json").read_text())
+    assert report["refreshed"]["steps"] == 2 and report["refreshed"]["tau"] >= 1.0 and meta["refreshed_from"]
+    assert meta["warm_start"]["kind"] == ("medusa" if config == "medusa" else config)
+    assert probes.read_probe(new)["verifier_fingerprint"] != report["fingerprints"]["recorded"]
