@@ -6,7 +6,8 @@
 
 Every prompt runs with the chosen method AND with plain decoding through the same engine,
 interleaved (the order alternates per prompt), with the same seeds; HF `generate` (plain,
-prompt lookup, assisted when `hf.assistant` names a draft model) runs on the same prompts.
+prompt lookup, assisted when `hf.assistant` names a draft model, at the draft's own schedule
+and at HF's defaults) runs on the same prompts.
 Writes output_dir/{results.json, outputs.jsonl, results.md, acceptance_hist.png,
 accepted_per_depth.png}.
 """
@@ -50,6 +51,39 @@ def build_proposer(cfg, verifier):
         raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter.kind!r} checkpoint; "
                               f"method={cfg.method.name} needs {kind}")
     return drafter.proposer(verifier, cfg.decode, seed=cfg.seed), drafter.meta
+
+
+# HF assisted generation reads its draft length and schedule from the ASSISTANT's generation
+# config (transformers/generation/candidate_generator.py: AssistedCandidateGenerator). `draft`:
+# the folder's generation_config.json as it stands (train/draft.py writes conf/decode/draft-chain's
+# schedule there: 4 tokens, heuristic, no confidence cut); `hf-defaults`: those three keys reset
+# to GenerationConfig's global defaults (20 tokens, constant, confidence 0.4 in transformers 5).
+ASSISTED_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+ASSISTED_SCHEDULES = {"draft": "hf_assisted", "hf-defaults": "hf_assisted_hf_defaults"}
+
+
+def assisted_runs(cfg) -> dict[str, dict]:
+    """run name -> HF generate kwargs, one assistant model per schedule (HF's heuristic schedule
+    keeps its length on the assistant's generation_config across calls, so none is shared)."""
+    from transformers import GenerationConfig
+
+    runs = {}
+    for schedule in cfg.hf.assisted_schedules:
+        name = choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
+        assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
+                                                              "path": cfg.hf.assistant})).model
+        defaults = GenerationConfig._get_default_generation_params()
+        gen = assistant.generation_config
+        for key in ASSISTED_KEYS:
+            if schedule == "hf-defaults" or getattr(gen, key, None) is None:
+                setattr(gen, key, defaults[key])
+        runs[name] = {"assistant_model": assistant}
+    return runs
+
+
+def assisted_schedule(kwargs: dict) -> dict:
+    """The schedule an assisted run starts from (for results.json)."""
+    return {key: getattr(kwargs["assistant_model"].generation_config, key) for key in ASSISTED_KEYS}
 
 
 DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter
@@ -158,6 +192,8 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     acceptance = cfg.method.get("acceptance", "auto")
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
+    for schedule in cfg.hf.assisted_schedules:
+        choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = load_verifier(cfg.model)
@@ -170,11 +206,10 @@ def run(cfg: DictConfig) -> dict:
     max_depth = proposer.max_depth if proposer is not None else 0
     hf_runs = {"hf_generate": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens}}
     if cfg.hf.assistant:
-        assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
-                                                              "path": cfg.hf.assistant})).model
-        hf_runs["hf_assisted"] = {"assistant_model": assistant}
+        hf_runs.update(assisted_runs(cfg))
     if not cfg.hf.enabled:
         hf_runs = {}
+    schedules = {name: assisted_schedule(kwargs) for name, kwargs in hf_runs.items() if "assistant_model" in kwargs}
 
     outputs = {name: [] for name in runs}
     latencies = {name: [] for name in runs}
@@ -233,6 +268,8 @@ def run(cfg: DictConfig) -> dict:
     for name, (seconds, n) in hf_time.items():
         report["methods"][name] = {"tokens_per_s": n / seconds, "speedup": (n / seconds) / base["tokens_per_s"],
                                    "num_tokens": n, "total_s": seconds}
+        if name in schedules:
+            report["methods"][name]["assistant_schedule"] = schedules[name]
     for name, checks in identity.items():
         if checks:
             same = sum(c["identical"] for c in checks)

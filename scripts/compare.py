@@ -78,8 +78,8 @@ def run(cfg: DictConfig) -> dict:
                        "greedy_identity_rate": ours.get("greedy_identity_rate"),
                        "unexplained_divergences": ours.get("greedy_divergences_unexplained"), "lossy": report["lossy"]}
                 rows.append(row)
-                for hf_name in ("hf_generate", "hf_prompt_lookup", "hf_assisted"):
-                    if hf_name in report["methods"]:
+                for hf_name in report["methods"]:
+                    if hf_name.startswith("hf_"):
                         rows.append({"method": hf_name, "dataset": dataset, "temperature": float(temperature),
                                      "tau": None, "speedup": report["methods"][hf_name]["speedup"],
                                      "tokens_per_s": report["methods"][hf_name]["tokens_per_s"],

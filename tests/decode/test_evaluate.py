@@ -36,8 +36,9 @@ def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, draft
     report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "decode=medusa-small",
                       f"hf.assistant={tiny_model_dir}"))  # the verifier as its own HF assistant
     methods = report["methods"]
-    assert set(methods) == {"vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_assisted"}
-    for name in ("vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_assisted"):
+    names = {"vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_assisted_hf_defaults"}
+    assert set(methods) == names
+    for name in names:
         m = methods[name]
         # every decoder reproduces plain greedy decoding (or differs only at a numerical tie)
         assert m["greedy_identity_rate"] == 1.0 or m["greedy_divergences_unexplained"] == 0, (name, m)
@@ -45,7 +46,7 @@ def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, draft
     assert methods["vanilla"]["speedup"] == 1.0
     assert len(methods["medusa"]["accepted_per_depth"]) == 4
     lines = [json.loads(l) for l in (out / "outputs.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 * 5 and all(l["tokens"] for l in lines)
+    assert len(lines) == 3 * len(names) and all(l["tokens"] for l in lines)
     ours = [l for l in lines if l["method"] == "medusa"]
     assert all(l["prompt_ids"] and len(l["tokens"]) <= 12 for l in ours)
     for name in ("results.json", "results.md", "acceptance_hist.png", "accepted_per_depth.png"):
@@ -120,8 +121,16 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
     ours = report["methods"][method]
     assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
     assert ours["tau"] >= 1.0
-    if method == "draft":
-        assert "hf_assisted" in report["methods"]
+    if method == "draft":  # HF assisted at the draft's own schedule (its generation_config.json) and at HF's
+        methods = report["methods"]
+        assert methods["hf_assisted"]["assistant_schedule"] == {
+            "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "heuristic", "assistant_confidence_threshold": 0.0}
+        assert methods["hf_assisted_hf_defaults"]["assistant_schedule"] == {
+            "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4}
+        for name in ("hf_assisted", "hf_assisted_hf_defaults"):
+            assert methods[name]["greedy_identity_rate"] == 1.0 or methods[name]["greedy_divergences_unexplained"] == 0
+        with pytest.raises(DraftsmithError, match="hf.assisted_schedules"):
+            run(_cfg(tiny_model_dir, tmp_path / "eval3", *extra, "hf.assisted_schedules=[ours]"))
     with pytest.raises(DraftsmithError, match="needs a .* decode preset"):
         run(_cfg(tiny_model_dir, tmp_path / "eval2", f"method={method}", "decode=medusa-small",
                  *extra[2:]))
