@@ -55,7 +55,7 @@ def build_proposer(cfg, verifier):
 
 # HF assisted generation reads its draft length and schedule from the ASSISTANT's generation
 # config (transformers/generation/candidate_generator.py: AssistedCandidateGenerator). `draft`:
-# the folder's generation_config.json as it stands (train/draft.py writes conf/decode/draft-chain's
+# the folder's generation_config.json as it stands (models/draft.py writes conf/decode/draft-chain's
 # schedule there: 4 tokens, heuristic, no confidence cut); `hf-defaults`: those three keys reset
 # to GenerationConfig's global defaults (20 tokens, constant, confidence 0.4 in transformers 5).
 ASSISTED_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -194,6 +194,9 @@ def run(cfg: DictConfig) -> dict:
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     for schedule in cfg.hf.assisted_schedules:
         choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
+    if len(set(cfg.hf.assisted_schedules)) < len(cfg.hf.assisted_schedules):
+        raise DraftsmithError(f"hf.assisted_schedules={list(cfg.hf.assisted_schedules)} names a schedule twice; "
+                              f"name each once")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = load_verifier(cfg.model)

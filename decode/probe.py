@@ -18,7 +18,6 @@ lossless either way).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith.decode.engine import generate, summarize
+from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import CONF_DIR
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.vocab import IGNORE_INDEX
@@ -58,13 +58,28 @@ def decode_preset(decode, drafter):
         preset.paths = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
         return preset
     if isinstance(decode, str):
-        name = DEFAULT_DECODE[drafter.kind] if decode == "auto" else decode
-        path = CONF_DIR / "decode" / f"{name}.yaml"
-        if not path.is_file():
-            valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml")))
-            raise DraftsmithError(f"probe.decode={decode!r}: no conf/decode/{name}.yaml; valid: auto, {valid}")
-        return OmegaConf.load(path)
+        return OmegaConf.load(preset_path(DEFAULT_DECODE[drafter.kind] if decode == "auto" else decode))
     return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
+
+
+def preset_path(name: str) -> Path:
+    path = CONF_DIR / "decode" / f"{name}.yaml"
+    if not path.is_file():
+        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml")))
+        raise DraftsmithError(f"probe.decode={name!r}: no conf/decode/{name}.yaml; valid: auto, {valid}")
+    return path
+
+
+def check_config(probe_cfg) -> None:
+    """Refuse a bad `probe` node before training (the probe itself runs after it)."""
+    n, k, decode = probe_cfg.num_prompts, probe_cfg.max_new_tokens, probe_cfg.decode
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise DraftsmithError(f"probe.num_prompts={n}: an integer >= 0 (0 records no probe)")
+    if n and (not isinstance(k, int) or isinstance(k, bool) or k < 2):
+        raise DraftsmithError(f"probe.max_new_tokens={k}: an integer >= 2 (the first token comes from the prefill, "
+                              f"tau counts the ones after it)")
+    if isinstance(decode, str) and decode != "auto":
+        preset_path(decode)
 
 
 @torch.no_grad()
@@ -92,14 +107,7 @@ def record(verifier, drafter, decode, prompts: list[list[int]], max_new_tokens: 
 
 def write_probe(drafter_dir: str | Path, probe: dict) -> Path:
     """drafter_dir/probe.json, atomically (temporary file, fsync, rename)."""
-    path = Path(drafter_dir) / PROBE_FILE
-    tmp = path.with_name(f".{PROBE_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(probe, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_atomic_text(Path(drafter_dir) / PROBE_FILE, json.dumps(probe, indent=1))
 
 
 def read_probe(drafter_dir: str | Path) -> dict | None:
@@ -112,7 +120,7 @@ def read_probe(drafter_dir: str | Path) -> dict | None:
     except json.JSONDecodeError as e:
         raise DraftsmithError(f"drafter={drafter_dir}: {PROBE_FILE} is corrupt ({e}); delete it to re-record "
                               f"the probe") from None
-    missing = [k for k in ("prompts", "max_new_tokens", "decode", "tau") if k not in probe]
+    missing = [k for k in ("prompts", "max_new_tokens", "decode", "dtype", "tau") if k not in probe]
     if missing:
         raise DraftsmithError(f"drafter={drafter_dir}: {PROBE_FILE} lacks {', '.join(missing)}; delete it to "
                               f"re-record the probe")

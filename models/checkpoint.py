@@ -53,6 +53,18 @@ class Drafter(NamedTuple):
         return proposer_for(self, verifier, decode_cfg, seed)
 
 
+def write_atomic_text(path: str | Path, text: str) -> Path:
+    """path <- text, atomically: a temporary file beside it, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
 def write_atomic_dir(out_dir: str | Path, write) -> Path:
     """Call write(tmp_dir) then atomically swap tmp_dir into out_dir."""
     out_dir = Path(out_dir)

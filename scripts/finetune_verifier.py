@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.models.checkpoint import write_atomic_dir
 from draftsmith.models.entry import launch
-from draftsmith.models.errors import choose
+from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import fingerprint, load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX
@@ -98,6 +98,12 @@ def drift_stats(model, teacher, batch) -> tuple[torch.Tensor, dict]:
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
     choose(BACKBONES, mcfg.backbone, "method.backbone")
+    if cfg.trainer.get("init_from") or not cfg.trainer.get("keep_vocab", True):
+        raise DraftsmithError("trainer.init_from / trainer.keep_vocab warm-start a drafter; a verifier fine-tune starts "
+                              "from model= (pass the folder to fine-tune as model.path=); drop them")
+    if cfg.data.get("features"):
+        raise DraftsmithError(f"data.features={cfg.data.features}: a fine-tune trains on token ids, not stored "
+                              f"verifier features; drop data.features")
     accelerator = loop.start(cfg)
     verifier = load_verifier(cfg.model)
     original_fp = verifier.fingerprint

@@ -130,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
         frozen = loop.frozen_verifier(cfg, accelerator, lm_head=False)
         verifier, placement = frozen.verifier, frozen.placement
     student = build_student(verifier.model, verifier.tokenizer, mcfg.student)
-    warm = loop.warm_start(cfg.trainer.init_from, student, "draft")
+    warm = loop.warm_start(cfg.trainer.init_from, student, "draft", cfg.trainer.keep_vocab)
     student.to(accelerator.device)
     data, eval_loader = loop.training_data(cfg, accelerator, verifier.tokenizer)
 

@@ -268,8 +268,8 @@ def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, da
         raise DraftsmithError(f"method.init_heads={mcfg.init_heads} and trainer.init_from={cfg.trainer.init_from} both "
                               f"warm-start the heads; pass one")
     if mcfg.init_heads:  # trained Medusa-1 heads of this verifier
-        warm = loop.warm_start(mcfg.init_heads, heads, "medusa", verifier_fingerprint=verifier.fingerprint,
-                               field="method.init_heads")
+        warm = loop.warm_start(mcfg.init_heads, heads, "medusa", cfg.trainer.keep_vocab,
+                               verifier_fingerprint=verifier.fingerprint, field="method.init_heads")
     else:  # a drafter of any verifier (scripts/refresh.py)
         warm = loop.warm_start(cfg.trainer.init_from, heads, "medusa", cfg.trainer.keep_vocab)
     t2d = t2d if not config.draft_vocab_size else target_to_draft(heads.token_map.cpu(), config.vocab_size).to(
@@ -310,7 +310,7 @@ def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, da
         name=mcfg.name, model=joint, param_groups=groups, loss_step=loss_step, prepare_batch=prepare_batch,
         evaluate=evaluate, save=medusa2_saver(cfg, accelerator, config, verifier, warm), best_key="eval/simulated_tau",
         report=report, probe=lambda final: (f"{final}/heads", load_verifier(OmegaConf.merge(
-            cfg.model, {"path": f"{final}/verifier"}))),
+            cfg.model, {"path": f"{final}/verifier"}), accelerator.device)),
         describe=f"{config.num_heads} heads + {mcfg.backbone} backbone ({mcfg.backbone_loss} x {mcfg.lambda_lm}, heads "
                  f"{mcfg.heads_coefficient} {mcfg.heads_schedule}, lr x {mcfg.lr_multiplier}); verifier "
                  f"{verifier.name} [{verifier.fingerprint}]"))
@@ -360,6 +360,9 @@ def run(cfg: DictConfig) -> dict:
     warm = loop.warm_start(cfg.trainer.init_from, heads, "medusa", cfg.trainer.keep_vocab)
     if config.draft_vocab_size:  # the map the heads hold (a warm start's, unless trainer.keep_vocab=false)
         t2d = target_to_draft(heads.token_map.cpu(), config.vocab_size).to(accelerator.device)
+        if warm and warm["keep_vocab"]:
+            vocab_note = (f"the warm start's draft vocabulary of {config.draft_vocab_size:,} tokens covers "
+                          f"{counts[heads.token_map.cpu()].sum() / max(counts.sum(), 1):.1%} of the training targets")
 
     def loss_step(model, batch):
         """The loss step: frozen verifier features, then the heads' weighted CE."""

@@ -217,6 +217,25 @@ def test_split_heldout_is_disjoint_and_deterministic():
         split_heldout(ds, {"eval_size": 50, "seed": 0})
 
 
+def test_split_heldout_follows_the_prompts_not_the_positions():
+    """Re-answered prompts in another order (a refresh's re-generated data) are held out again,
+    and conversations sharing a prompt fall on the same side."""
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"old answer {i}"}]
+             for i in range(60)]
+    ds = datasets.Dataset.from_dict({"messages": convs})
+    cfg = {"eval_size": 8, "seed": 0}
+    prompts = lambda d: sorted(m[0]["content"] for m in d["messages"])  # noqa: E731
+    held = prompts(split_heldout(ds, cfg)[1])
+    new = [[c[0], {"role": "assistant", "content": f"new answer to {c[0]['content']}"}] for c in reversed(convs)]
+    in_order = lambda d: [m[0]["content"] for m in d["messages"]]  # noqa: E731
+    assert in_order(split_heldout(datasets.Dataset.from_dict({"messages": new}), cfg)[1]) == in_order(
+        split_heldout(ds, cfg)[1])  # the same prompts, in the same (rank) order: the probe takes the first ones
+    assert held != sorted(f"q{i}" for i in range(8))  # not the first positions
+    twice = datasets.Dataset.from_dict({"messages": convs + new})
+    train, held2 = split_heldout(twice, {"eval_size": 16, "seed": 0})
+    assert prompts(held2) == sorted(held * 2) and not set(prompts(train)) & set(held)
+
+
 def mixed_length_dataset(n=400, seed=0) -> datasets.Dataset:
     rng = np.random.default_rng(seed)
     lengths = np.where(rng.random(n) < 0.8, rng.integers(5, 40, n), rng.integers(100, 400, n))

@@ -23,7 +23,7 @@ from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import load_verifier
-from draftsmith.train.core.loop import carry_vocab_rows, load_train_data
+from draftsmith.train.core.loop import carry_vocab_rows, load_train_data, warm_start
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama, tiny_tokenizer
@@ -115,6 +115,19 @@ def test_every_trainer_records_a_probe(tiny_model_dir, tmp_path, config, extra):
     assert probe["decode"]["name"] == {"eagle": "eagle-dynamic", "draft": "draft-chain"}[config]
 
 
+def test_a_bad_probe_setting_is_refused_before_training(tiny_model_dir, tmp_path):
+    from draftsmith.train.medusa import run as medusa
+
+    base = tiny_model_overrides(tiny_model_dir) + ["data=tiny", "trainer=debug", "logger=none", f"output_dir={tmp_path}"]
+    with pytest.raises(DraftsmithError, match=r"probe.decode='nope': no conf/decode/nope.yaml; valid: auto, "):
+        medusa(compose_config("medusa", base + ["probe.decode=nope"]))
+    with pytest.raises(DraftsmithError, match=r"probe.max_new_tokens=1: an integer >= 2"):
+        medusa(compose_config("medusa", base + ["probe.max_new_tokens=1"]))
+    with pytest.raises(DraftsmithError, match=r"probe.num_prompts=-1: an integer >= 0"):
+        medusa(compose_config("medusa", base + ["probe.num_prompts=-1"]))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "final").exists()
+
+
 def test_the_fine_tune_moves_the_verifier_and_records_how_far(loop_dirs):
     info = json.loads((loop_dirs["ft"] / "finetune.json").read_text())
     tuned = load_verifier(OmegaConf.create({"name": "ft", "source": "hf", "path": str(loop_dirs["ft"]),
@@ -149,6 +162,13 @@ def test_refresh_detects_the_drop_and_recovers(loop_dirs):
                                        "records.jsonl").read_text().splitlines()]
     assert records and all(set(r["messages"][-1]["content"]) <= set(SKEW) for r in records)  # the NEW verifier's
     assert probes.read_probe(new)["verifier_fingerprint"] == tuned_fp  # its own baseline for the next refresh
+    # the re-generated data holds out the same prompts: the probe is never trained on
+    old_probe = probes.read_probe(loop_dirs["m0"])["prompts"]
+    assert probes.read_probe(new)["prompts"] == old_probe
+    new_cfg = OmegaConf.load(new / "config.yaml")
+    train_split = load_train_data(new_cfg, load_verifier(new_cfg.model).tokenizer).train
+    trained = {tuple(p) for p in probes.probe_prompts(train_split, len(train_split))}
+    assert trained and not trained & {tuple(p) for p in old_probe}
     assert "| refreshed (warm start) | new |" in (loop_dirs["root"] / "refresh" / "report.md").read_text()
 
 
@@ -161,6 +181,13 @@ def test_check_only_stops_after_the_report_and_no_drift_refreshes_nothing(loop_d
         f"drafter={root}/m0/final", f"output_dir={root}/same"]))
     assert same["old_on_new"]["tau"] == same["recorded"]["tau"] and not (root / "same" / "refreshed").exists()
     assert "no refresh needed" in capsys.readouterr().out
+    with pytest.raises(DraftsmithError, match=r"output_dir=.* holds the refresh of .* for verifier .* pass a new "
+                                              r"output_dir="):  # a report measured for another verifier is not reused
+        refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
+            f"drafter={root}/m0/final", f"output_dir={root}/refresh", "check_only=true"]))
+    with pytest.raises(DraftsmithError, match=r"dtype=bfloat16: the probe of .* was recorded with a torch.float32 "
+                                              r"verifier.*drop dtype="):
+        refresh.run(compose_config("refresh", refresh_overrides(root, "bf16", "dtype=bfloat16", "check_only=true")))
 
 
 def test_a_fingerprint_mismatch_stops_evaluate_in_one_line(loop_dirs, tmp_path):
@@ -204,6 +231,12 @@ def test_keep_vocab_false_carries_the_projection_rows_over_by_token():
     assert torch.equal(state["token_map"], torch.tensor([9, 2, 3, 11]))
     assert torch.equal(rows[0], old.lm_heads[0].weight[3]) and torch.equal(rows[2], old.lm_heads[0].weight[0])
     assert torch.equal(rows[1], fresh[1]) and torch.equal(rows[3], fresh[3])  # new tokens keep their init
+    with pytest.raises(DraftsmithError, match=r"trainer.keep_vocab=false .* applies only with trainer.init_from"):
+        warm_start(None, new, "medusa", keep_vocab=False)
+    full = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=20, num_heads=1, lm_head="own"))
+    with pytest.raises(DraftsmithError, match=r"trainer.keep_vocab=false: this run's medusa drafter predicts the "
+                                              r"full vocabulary"):
+        warm_start("somewhere", full, "medusa", keep_vocab=False)
 
 
 @pytest.mark.slow
@@ -237,7 +270,7 @@ def test_refresh_runs_under_accelerate_launch_on_two_processes(loop_dirs):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "10 generated now by 2 process(es)" in done.stdout + done.stderr  # the data stage used both processes
+    assert "12 generated now by 2 process(es)" in done.stdout + done.stderr  # the data stage used both processes
     report = json.loads((root / "ddp" / "report.json").read_text())
     assert report["old_on_new"]["tau"] == loop_dirs["report"]["old_on_new"]["tau"]
     assert report["refreshed"]["tau"] > report["old_on_new"]["tau"] + 0.5 and report["scratch"]["steps"] == 40
@@ -248,11 +281,14 @@ def test_refresh_runs_under_accelerate_launch_on_two_processes(loop_dirs):
     ("eagle", ["method=eagle1"]),
     ("draft", ["method.student.num_layers=1"]),
     ("medusa", ["method=medusa2", "method.lora.r=4", "method.max_kl=100", "method.num_heads=2"]),
+    ("medusa", ["method=medusa2", "method.lora.r=4", "method.max_kl=100", "method.num_heads=2",
+                "method.init_heads=M0"]),  # started from Medusa-1 heads of the old verifier (M0: loop_dirs' m0)
 ])
 def test_refresh_handles_every_drafter_kind(loop_dirs, tmp_path, config, extra):
     import importlib
 
     root = loop_dirs["root"]
+    extra = [x.replace("M0", str(loop_dirs["m0"])) for x in extra]
     run = importlib.import_module(f"draftsmith.train.{config}").run
     old = run(compose_config(config, tiny_model_overrides(root / "v0") + [
         "data=selfdistill", f"data.path={root}/sd0", "data.eval_size=3", "trainer=debug", "logger=none",
@@ -262,6 +298,11 @@ def test_refresh_handles_every_drafter_kind(loop_dirs, tmp_path, config, extra):
         "budget.steps=2", "scratch=false", "force=true"]))
     new = Path(report["refreshed"]["drafter"])
     meta = json.loads((new / "meta.json").read_text())
-    assert report["refreshed"]["steps"] == 2 and report["refreshed"]["tau"] >= 1.0 and meta["refreshed_from"]
-    assert meta["warm_start"]["kind"] == ("medusa" if config == "medusa" else config)
-    assert probes.read_probe(new)["verifier_fingerprint"] != report["fingerprints"]["recorded"]
+    assert report["refreshed"]["steps"] == 2 and meta["refreshed_from"]["drafter"] == str(report["drafter"])
+    assert meta["warm_start"]["kind"] == config and meta["warm_start"]["path"] == report["drafter"]
+    probe = probes.read_probe(new)
+    assert probe["verifier_fingerprint"] != report["fingerprints"]["recorded"]
+    if extra[0] != "method=medusa2":  # (a Medusa-2 refresh tunes the new verifier again: its own fingerprint)
+        assert probe["verifier_fingerprint"] == report["fingerprints"]["new"]
+    assert probe["prompts"] == probes.read_probe(report["drafter"])["prompts"]  # the same held-out prompts
+    assert probe["tau"] == report["refreshed"]["tau"]  # the report measured the new drafter on the new verifier

@@ -13,6 +13,7 @@ on assistant tokens (content + the end-of-turn token), then batched by length.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import warnings
 from functools import partial
@@ -28,18 +29,35 @@ from draftsmith.models.vocab import IGNORE_INDEX
 
 
 def split_heldout(ds: datasets.Dataset, data_cfg) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, eval): `data.eval_size` conversations drawn with `data.seed`, the rest train.
+    """(train, eval): the `data.eval_size` conversations whose prompts rank first under a hash
+    seeded with `data.seed`, the rest train.
 
-    The two are disjoint and the split depends only on (len(ds), eval_size, seed), so the eval
-    conversations are never trained on, across runs and resumes. Split conversations BEFORE
-    tokenizing (tokenization may drop some). Both keep the original order.
+    A conversation's rank depends only on its prompt (the messages before its first assistant
+    turn) and the seed, never on its position, so the split holds across runs, resumes, record
+    orders and re-generated answers: a refresh that re-answers the same prompts with a new
+    verifier (scripts/refresh.py) holds out the same prompts, and the probe recorded from the
+    old held-out split is never trained on. Conversations sharing a prompt rank together.
+    Split BEFORE tokenizing (tokenization may drop some). Train keeps the original order; eval
+    comes in rank order, so its first k conversations (the probe's prompts) are the same k
+    whatever order the records were written in.
     """
     eval_size = int(cfg_value(data_cfg, "eval_size") or 0)
     if eval_size < 0 or eval_size >= len(ds):
         raise DataError(f"data.eval_size={eval_size} must be in [0, {len(ds)}) for {len(ds)} conversations")
-    order = np.random.default_rng(int(cfg_value(data_cfg, "seed") or 0)).permutation(len(ds))
-    eval_idx, train_idx = np.sort(order[:eval_size]), np.sort(order[eval_size:])
-    return ds.select(train_idx.tolist()), ds.select(eval_idx.tolist())
+    seed = int(cfg_value(data_cfg, "seed") or 0)
+    ranks = [split_rank(messages, seed) for messages in ds["messages"]]
+    order = sorted(range(len(ds)), key=lambda i: (ranks[i], i))
+    eval_idx, train_idx = order[:eval_size], sorted(order[eval_size:])
+    return ds.select(train_idx), ds.select(eval_idx)
+
+
+def split_rank(messages: list[dict], seed: int) -> bytes:
+    """The held-out rank of a conversation: a seeded hash of its prompt (the messages before its
+    first assistant turn; the whole conversation when it has none)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:first]] or list(messages)
+    key = json.dumps([seed, prompt], sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
 
 
 # ----------------------------------------------------------------------------------------

@@ -158,14 +158,20 @@ def after_step(accelerator, cfg, step: int, batches: BatchStream, evaluate, save
         accelerator.log({**metrics, "time/elapsed_s": progress["seconds"], "train/tokens": progress["tokens"]},
                         step=step)
         accelerator.print(f"step {step}: " + " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-        if metrics[key] > best[key]:
-            best = {**metrics, "step": step}
-            save(best, "best")
+        best = keep_best(metrics, best, key, step, save)
         if tcfg.snapshot_every and step % tcfg.snapshot_every == 0:
             save({**metrics, "step": step, **progress}, f"snapshots/step-{step:08d}")
     if step % tcfg.save_every == 0 or step == tcfg.max_steps:
         save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch, **progress}, tcfg.keep_last)
     return metrics, best
+
+
+def keep_best(metrics: dict, best: dict, key: str, step: int, save) -> dict:
+    """The best metrics so far by `key`; a new best is saved as best/."""
+    if metrics[key] > best[key]:
+        best = {**metrics, "step": step}
+        save(best, "best")
+    return best
 
 
 def out_of_time(accelerator, tcfg, seconds: float) -> bool:
@@ -228,7 +234,13 @@ def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True
     from draftsmith.models.checkpoint import load_drafter, read_meta_file
 
     if not path:
+        if not keep_vocab:
+            raise DraftsmithError("trainer.keep_vocab=false recomputes the draft vocabulary map of a warm start and "
+                                  "applies only with trainer.init_from=<drafter>; drop it")
         return None
+    if not keep_vocab and vocab_ids(kind, module) is None:
+        raise DraftsmithError(f"trainer.keep_vocab=false: this run's {kind} drafter predicts the full vocabulary, "
+                              f"there is no draft vocabulary map to recompute; drop it")
     path = Path(str(path))
     if (path / "meta.json").is_file() and read_meta_file(path).get("kind") == "medusa2":
         path = path / "heads"  # a Medusa-2 output: its heads
@@ -287,7 +299,7 @@ def carry_vocab_rows(kind: str, old_module, new_module, old: dict) -> dict:
         if key.startswith(prefix) and key.endswith("weight"):
             rows = fresh[key].clone()  # (N, H): fresh rows (the verifier's) for the new tokens
             if new_rows is not None:
-                rows[new_rows] = old[key][old_rows].to(rows.dtype)
+                rows[new_rows.to(rows.device)] = old[key][old_rows].to(rows.device, rows.dtype)
             state[key] = rows
     return state
 
@@ -300,7 +312,7 @@ def probe_on(cfg, accelerator, frozen: Frozen | None = None, verifier=None):
     whole = verifier if verifier is not None else (None if frozen is None or frozen.offline else frozen.verifier)
 
     def target(final: str):
-        return final, whole if whole is not None and not sharded else load_verifier(cfg.model)
+        return final, whole if whole is not None and not sharded else load_verifier(cfg.model, accelerator.device)
     return target
 
 
@@ -437,6 +449,10 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
     """Train `recipe` for trainer.max_steps optimizer steps (resuming from output_dir) and save
     output_dir/final (and /best by recipe.best_key). -> the summary dict."""
     tcfg = cfg.trainer
+    if recipe.probe is not None:
+        from draftsmith.decode import probe as probes
+
+        probes.check_config(cfg.probe)  # before any step: the probe runs after the last one
     trainable = sum(p.numel() for g in recipe.param_groups for p in g["params"])  # before ZeRO-3 partitions them
     optimizer = make_optimizer(recipe.param_groups, tcfg)
     scheduler = make_scheduler(optimizer, tcfg)
@@ -464,7 +480,7 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
 
     bar = tqdm(total=tcfg.max_steps, initial=step, desc=recipe.name, disable=not accelerator.is_main_process)
     model.train()
-    timed_out = out_of_time(accelerator, tcfg, progress()["seconds"])  # a time-limited run resumed after its limit
+    timed_out = out_of_time(accelerator, tcfg, before["seconds"])  # a time-limited run resumed after its limit
     while step < tcfg.max_steps and not timed_out:
         for _ in range(tcfg.grad_accum):
             batch = next(batches)
@@ -493,8 +509,10 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
             if new_metrics is None:
                 metrics = recipe.evaluate(model)
                 accelerator.log(metrics, step=step)
-            save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch, **progress()},
-                                tcfg.keep_last)
+                best = keep_best(metrics, best, recipe.best_key, step, lambda m, name: recipe.save(model, m, name))
+            if step % tcfg.save_every:  # (after_step saved this step's state already otherwise)
+                save_training_state(accelerator, cfg.output_dir, step, {"epoch": batches.epoch, **progress()},
+                                    tcfg.keep_last)
     bar.close()
     if not metrics:  # max_steps=0 (an untrained baseline) or a finished run resumed: evaluate what is saved
         metrics = recipe.evaluate(model)
