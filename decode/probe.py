@@ -55,7 +55,9 @@ def decode_preset(decode, drafter):
     drafter's kind, a Medusa tree cut to the drafter's number of heads."""
     if decode == "auto" and drafter.kind == "medusa":
         preset = decode_preset(DEFAULT_DECODE["medusa"], drafter)
-        preset.paths = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
+        kept = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
+        if len(kept) < len(preset.paths):
+            preset.paths, preset.name = kept, f"{preset.name}, paths cut to {drafter.config.num_heads} heads"
         return preset
     if isinstance(decode, str):
         return OmegaConf.load(preset_path(DEFAULT_DECODE[drafter.kind] if decode == "auto" else decode))

@@ -53,6 +53,17 @@ class Drafter(NamedTuple):
         return proposer_for(self, verifier, decode_cfg, seed)
 
 
+MEDUSA2_PARTS = ("heads", "verifier")  # a Medusa-2 output folder: the heads, the tuned verifier (HF folder)
+
+
+def medusa2_parts(path: str | Path) -> tuple[Path, Path] | None:
+    """(heads folder, tuned verifier folder) of a Medusa-2 output (meta.json kind "medusa2"), else None."""
+    path = Path(path)
+    if (path / "meta.json").is_file() and read_meta_file(path).get("kind") == "medusa2":
+        return path / MEDUSA2_PARTS[0], path / MEDUSA2_PARTS[1]
+    return None
+
+
 def write_atomic_text(path: str | Path, text: str) -> Path:
     """path <- text, atomically: a temporary file beside it, fsync, rename."""
     path = Path(path)
@@ -158,8 +169,9 @@ def load_drafter(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = Non
     if (ckpt_dir / "meta.json").is_file():
         meta_kind = read_meta_file(ckpt_dir).get("kind")
     if meta_kind == "medusa2":
-        raise DraftsmithError(f"drafter={ckpt_dir} is a Medusa-2 output: pass drafter={ckpt_dir}/heads and "
-                              f"model.path={ckpt_dir}/verifier (the heads decode against the tuned verifier)")
+        heads, tuned = medusa2_parts(ckpt_dir)
+        raise DraftsmithError(f"drafter={ckpt_dir} is a Medusa-2 output: pass drafter={heads} and "
+                              f"model.path={tuned} (the heads decode against the tuned verifier)")
     if meta_kind == "draft":
         return load_draft_folder(ckpt_dir, verifier_fingerprint, allow_mismatch, verifier_dims, dtype)
     spec = read_config(ckpt_dir) if (ckpt_dir / "config.json").is_file() else {}

@@ -439,7 +439,7 @@ def _signature(module: str, node) -> str:
 
 def python_stdlib_items(data_cfg) -> list[dict]:
     """The running Python's standard library documenting itself, offline on every machine: for
-    each public top-level function and class with a docstring of >= 80 characters in its source
+    each public top-level function (async ones aside) and class with a docstring of >= 80 characters in its source
     (parsed with ast, nothing imported), the request "Explain `module.name`" answered by the
     signature and the docstring. In module and definition order; a domain shift for a chat
     model (scripts/finetune_verifier.py), never an evaluation set."""

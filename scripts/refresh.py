@@ -25,6 +25,7 @@ every process; probes run on process 0.
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode import probe as probes
-from draftsmith.models.checkpoint import load_drafter, read_meta_file, write_atomic_text
+from draftsmith.models.checkpoint import load_drafter, medusa2_parts, read_meta_file, write_atomic_text
 from draftsmith.models.entry import CONF_DIR, compose_main, launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import MANIFEST_FILE
@@ -48,10 +49,8 @@ def old_drafter(path: Path) -> tuple[Path, dict, DictConfig, dict]:
     Medusa-2 output's final/ stands for its heads/ (the training config and probe live there)."""
     if not path.is_dir():
         raise DraftsmithError(f"drafter={path}: no such folder")
+    path = (medusa2_parts(path) or (path,))[0]
     meta = read_meta_file(path) if (path / "meta.json").is_file() else {}
-    if meta.get("kind") == "medusa2":
-        path = path / "heads"
-        meta = read_meta_file(path)
     if not (path / "config.yaml").is_file():
         raise DraftsmithError(f"drafter={path} has no config.yaml (not trained by draftsmith's trainers): refresh "
                               f"needs the run's settings; train one with train/<method>.py")
@@ -238,6 +237,8 @@ def run(cfg: DictConfig) -> dict:
               f" (threshold {cfg.threshold:.0%}) -> {'refresh' if needed else 'no refresh needed'}")
     if cfg.check_only or not needed:
         return report
+    del verifier  # the trainers load their own: none is held idle through data and training
+    gc.collect()
 
     # 2. Refresh: the self-distilled data again, by the new verifier; then warm start and scratch.
     data = OmegaConf.create({"data": OmegaConf.to_container(old_cfg.data, resolve=True)})
@@ -245,6 +246,8 @@ def run(cfg: DictConfig) -> dict:
     regenerated = {}
     for where, node in selfdistill_parts(data.data):
         target = out / "data" / str(node.get("name") or "selfdistill")
+        if str(target) in (r["to"] for r in regenerated.values()):  # two parts of one name: apart
+            target = target.with_name(f"{target.name}-{where.rsplit('.', 1)[-1]}")
         old_path = str(node.path)
         result = regenerate(cfg, node, model_cfg, target)
         OmegaConf.update(data, f"{where}.path", str(target), merge=False)
@@ -261,10 +264,9 @@ def run(cfg: DictConfig) -> dict:
         summary = train(kind, training_config(old_cfg, model_cfg, data, out / name, cfg, init_from))
         state.wait_for_everyone()
         if state.is_main_process:
-            new_dir = Path(summary["drafter_dir"])
-            new_dir = new_dir / "heads" if (new_dir / "heads").is_dir() else new_dir
-            tuned = new_dir.parent / "verifier" if new_dir.name == "heads" else None
-            target = verifier if tuned is None else load_verifier(OmegaConf.merge(model_cfg, {"path": str(tuned)}))
+            new_dir, tuned = medusa2_parts(summary["drafter_dir"]) or (Path(summary["drafter_dir"]), None)
+            target = load_verifier(model_cfg if tuned is None else OmegaConf.merge(model_cfg, {"path": str(tuned)}),
+                                   device=state.device)
             result = probe_tau(new_dir, target, probe, allow_mismatch=False)
             report[name] = {**result, "drafter": str(new_dir), "steps": summary["steps"],
                             "train_tokens": summary.get("tokens"), "train_s": summary["seconds"],

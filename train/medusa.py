@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.models.checkpoint import save_drafter, write_atomic_dir
+from draftsmith.models.checkpoint import MEDUSA2_PARTS, medusa2_parts, save_drafter, write_atomic_dir
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, MedusaJoint
@@ -244,9 +244,10 @@ def medusa2_saver(cfg, accelerator, config, verifier, warm: dict | None):
                     "note": "lossless with respect to the TUNED verifier in verifier/, not the original"}
 
             def write(tmp: Path):
-                tuned.save_pretrained(tmp / "verifier", max_shard_size="1000GB")
-                verifier.tokenizer.save_pretrained(tmp / "verifier")
-                save_drafter(tmp / "heads", "medusa", None, config, state_dict=heads_state,
+                heads_dir, verifier_dir = (tmp / part for part in MEDUSA2_PARTS)
+                tuned.save_pretrained(verifier_dir, max_shard_size="1000GB")
+                verifier.tokenizer.save_pretrained(verifier_dir)
+                save_drafter(heads_dir, "medusa", None, config, state_dict=heads_state,
                              verifier_fingerprint=tuned_fp, verifier_name=f"{verifier.name}-medusa2", meta=meta,
                              resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
                 (tmp / "meta.json").write_text(json.dumps({"kind": "medusa2", "tuned_fingerprint": tuned_fp, **meta},
@@ -309,8 +310,8 @@ def run_medusa2(cfg: DictConfig, accelerator, config: MedusaConfig, verifier, da
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=joint, param_groups=groups, loss_step=loss_step, prepare_batch=prepare_batch,
         evaluate=evaluate, save=medusa2_saver(cfg, accelerator, config, verifier, warm), best_key="eval/simulated_tau",
-        report=report, probe=lambda final: (f"{final}/heads", load_verifier(OmegaConf.merge(
-            cfg.model, {"path": f"{final}/verifier"}), accelerator.device)),
+        report=report, probe=lambda final: (medusa2_parts(final)[0], load_verifier(OmegaConf.merge(
+            cfg.model, {"path": str(medusa2_parts(final)[1])}), accelerator.device)),
         describe=f"{config.num_heads} heads + {mcfg.backbone} backbone ({mcfg.backbone_loss} x {mcfg.lambda_lm}, heads "
                  f"{mcfg.heads_coefficient} {mcfg.heads_schedule}, lr x {mcfg.lr_multiplier}); verifier "
                  f"{verifier.name} [{verifier.fingerprint}]"))

@@ -92,7 +92,7 @@ def test_the_probe_is_recorded_at_training_on_held_out_prompts(loop_dirs):
     assert all(tok.decode(p).endswith("<|im_start|>assistant\n") for p in probe["prompts"])  # the generation prompt
     assert probe["verifier_fingerprint"] == verifier.fingerprint == json.loads((m0 / "meta.json").read_text())[
         "verifier_fingerprint"]
-    assert (probe["max_new_tokens"], probe["decode"]["name"], probe["dtype"]) == (24, "medusa-cpu", "torch.float32")
+    assert (probe["max_new_tokens"], probe["decode"]["name"], probe["dtype"]) == (24, "medusa-cpu, paths cut to 2 heads", "torch.float32")
     assert all(len(p) <= 2 for p in probe["decode"]["paths"])  # the auto tree is cut to the drafter's 2 heads
     again = probes.measure(verifier, load_drafter(m0), OmegaConf.create(probe["decode"]), probe["prompts"], 24)
     assert again["tau"] == probe["tau"] > 1.2 and again["per_prompt_tau"] == probe["per_prompt_tau"]

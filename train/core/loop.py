@@ -231,7 +231,7 @@ def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True
     map this run computed from its own data and carries the vocabulary projections' rows over
     by token id (rows of new tokens keep their fresh initialisation). `verifier_fingerprint`
     set: the drafter must have been trained on that verifier. -> the meta.json record."""
-    from draftsmith.models.checkpoint import load_drafter, read_meta_file
+    from draftsmith.models.checkpoint import load_drafter, medusa2_parts
 
     if not path:
         if not keep_vocab:
@@ -242,8 +242,7 @@ def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True
         raise DraftsmithError(f"trainer.keep_vocab=false: this run's {kind} drafter predicts the full vocabulary, "
                               f"there is no draft vocabulary map to recompute; drop it")
     path = Path(str(path))
-    if (path / "meta.json").is_file() and read_meta_file(path).get("kind") == "medusa2":
-        path = path / "heads"  # a Medusa-2 output: its heads
+    path = (medusa2_parts(path) or (path,))[0]  # a Medusa-2 output: its heads
     init = load_drafter(path, verifier_fingerprint=verifier_fingerprint)  # None: a changed verifier, on purpose
     if init.kind != kind:
         raise DraftsmithError(f"{field}={path} is a {init.kind!r} drafter; this run trains {kind!r} "
