@@ -17,16 +17,29 @@ import shutil
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
-from draftsmith.models.checkpoint import load_drafter, write_atomic_dir
+from draftsmith.models.checkpoint import MEDUSA2_PARTS, load_drafter, write_atomic_dir
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.layouts import engine_config
 
 FORMATS = {"vllm": "vLLM", "sglang": "SGLang", "hf": "HF transformers"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def trained_verifier(drafter_dir: Path, meta: dict) -> str | None:
+    """What an engine loads as the verifier: Medusa-2 heads' tuned verifier folder beside them,
+    else the model.path the drafter was trained with (an HF id or a local folder, from its
+    config.yaml), or None."""
+    tuned = drafter_dir.parent / MEDUSA2_PARTS[1]
+    if meta.get("original_verifier") and tuned.is_dir():
+        return str(tuned)
+    if not (drafter_dir / "config.yaml").is_file():
+        return None
+    path = OmegaConf.load(drafter_dir / "config.yaml").get("model", {}).get("path")
+    return str(path) if path else None
 
 
 def serve_command(kind: str, config, fmt: str, verifier: str, out: str) -> str:
@@ -102,7 +115,8 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"format=hf cannot express a {kind} drafter (transformers has no {kind} loader); "
                               f"use format=vllm" + ("" if kind == "medusa" else " or format=sglang"))
     out = Path(cfg.output_dir)
-    verifier_name = cfg.verifier_name or meta.get("verifier_name") or cfg.model.path
+    verifier_name = cfg.verifier_name or trained_verifier(Path(cfg.drafter), meta) or meta.get("verifier_name") or \
+        cfg.model.path
 
     if kind == "draft":
         def write(tmp: Path):

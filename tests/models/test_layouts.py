@@ -134,6 +134,18 @@ def test_export_matches_the_engines_loader(case, drafters, tiny_model_dir, tmp_p
     assert summary["serve"].startswith(head)
 
 
+def test_the_serve_command_names_the_verifier_the_drafter_was_trained_with(drafters, tiny_model_dir, tmp_path):
+    import shutil
+
+    trained = tmp_path / "trained"
+    shutil.copytree(drafters["eagle3"], trained)
+    (trained / "config.yaml").write_text("model:\n  name: tiny\n  path: org/tiny-verifier\n")
+    summary = _export(tiny_model_dir, trained, "vllm", tmp_path / "out")
+    assert summary["serve"].startswith("vllm serve org/tiny-verifier --speculative-config")
+    assert _export(tiny_model_dir, trained, "vllm", tmp_path / "out2", "verifier_name=mine")["serve"].startswith(
+        "vllm serve mine ")
+
+
 def test_d2t_is_stored_as_offsets(drafters):
     native = load_file(str(drafters["eagle3"] / "model.safetensors"))
     drafter = load_drafter(drafters["eagle3"]).module
