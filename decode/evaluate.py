@@ -60,6 +60,8 @@ def build_proposer(cfg, verifier):
 # to GenerationConfig's global defaults (20 tokens, constant, confidence 0.4 in transformers 5).
 ASSISTED_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 ASSISTED_SCHEDULES = {"draft": "hf_assisted", "hf-defaults": "hf_assisted_hf_defaults"}
+HF_ASSISTED_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                        "assistant_confidence_threshold": 0.4}  # GenerationConfig's documented defaults
 
 
 def assisted_runs(cfg) -> dict[str, dict]:
@@ -72,7 +74,7 @@ def assisted_runs(cfg) -> dict[str, dict]:
         name = choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
         assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
                                                               "path": cfg.hf.assistant})).model
-        defaults = GenerationConfig._get_default_generation_params()
+        defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: HF_ASSISTED_DEFAULTS)()
         gen = assistant.generation_config
         for key in ASSISTED_KEYS:
             if schedule == "hf-defaults" or getattr(gen, key, None) is None:
