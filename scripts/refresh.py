@@ -206,6 +206,9 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"drafter={path} has no {probes.PROBE_FILE} (trained before probes were recorded): "
                               f"record its baseline on the verifier it was trained on first: python scripts/refresh.py "
                               f"drafter={cfg.drafter} model=<that verifier> record_probe=true")
+    if report and (report["recorded"]["tau"], report["probe"]["prompts"]) != (probe["tau"], len(probe["prompts"])):
+        raise DraftsmithError(f"output_dir={out} holds a refresh measured against another probe of {path} (its "
+                              f"probe.json was re-recorded since); pass a new output_dir=")
     if str(verifier.model.dtype) != probe["dtype"]:
         raise DraftsmithError(f"dtype={cfg.dtype}: the probe of {path} was recorded with a {probe['dtype']} verifier, "
                               f"and taus in two dtypes do not compare; drop dtype= (the old run's "

@@ -35,7 +35,8 @@ def drafter(tiny_model_dir, tmp_path_factory):
         torch.nn.init.normal_(block.layers[0].weight, std=0.05)
     path = save_drafter(tmp_path_factory.mktemp("d") / "heads", "medusa", heads, cfg,
                         verifier_fingerprint=fingerprint(model), verifier_name="tiny")
-    write_probe(path, {"prompts": [[5, 6]], "max_new_tokens": 4, "decode": {"name": "chain4"}, "tau": 1.5})
+    write_probe(path, {"prompts": [[5, 6]], "max_new_tokens": 4, "decode": {"name": "chain4"}, "dtype": "torch.float32",
+                       "tau": 1.5})
     return path
 
 
