@@ -31,10 +31,9 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import fingerprint, load_verifier
-from draftsmith.models.vocab import IGNORE_INDEX
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
-from draftsmith.train.core.data import make_dataloader, tokenize_conversations
+from draftsmith.train.core.data import make_dataloader, next_token_positions, tokenize_conversations
 from draftsmith.train.core.lora import merged, tunable
 
 BACKBONES = {"lora": "LoRA (peft)", "full": "full fine-tuning"}
@@ -55,13 +54,6 @@ class NextTokenLogits(torch.nn.Module):
     def forward(self, input_ids, attention_mask, pos):
         hidden = self.base().model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
         return self.base().lm_head(hidden[pos])  # (N, V)
-
-
-def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: positions t whose next token t+1 is supervised."""
-    pos = torch.zeros_like(labels, dtype=torch.bool)
-    pos[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return pos
 
 
 def sft_loss(model, batch, reduce_counts=None):

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from draftsmith.decode import batch
 from draftsmith.decode.sampling import SamplingParams
+from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import choose
 from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
@@ -105,9 +106,7 @@ def write_manifest(out_dir: Path, verifier, settings: dict, counts: dict, comple
         "records_file": RECORDS_FILE,
         "format": "openai",
     }
-    tmp = out_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out_dir / MANIFEST_FILE)
+    write_atomic_text(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

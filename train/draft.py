@@ -29,16 +29,9 @@ from draftsmith.models.verifier import load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
-from draftsmith.train.core.data import collate_batch
+from draftsmith.train.core.data import collate_batch, next_token_positions
 from draftsmith.train.core.features import read_manifest
 from draftsmith.train.core.losses import acceptance_rate, chain_tau, divergence
-
-
-def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
-    """labels (B, T) -> mask (B, T) of positions t whose next token t+1 is supervised."""
-    mask = torch.zeros_like(labels, dtype=torch.bool)
-    mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return mask
 
 
 @torch.no_grad()

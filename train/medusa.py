@@ -44,6 +44,7 @@ from draftsmith.models.verifier import fingerprint, load_verifier
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
+from draftsmith.train.core.data import next_token_positions
 from draftsmith.train.core.lora import merged, tunable
 from draftsmith.train.core.losses import fkl, simulated_tau
 
@@ -139,13 +140,6 @@ def head_ramp(step: int, mcfg) -> float:
     shape = choose({"constant": 1.0, "linear": x, "sine": math.sin(math.pi / 2 * x)}, mcfg.heads_schedule,
                    "method.heads_schedule")
     return float(mcfg.heads_coefficient) * shape
-
-
-def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: positions t whose next token t+1 is supervised (where the verifier's law is kept)."""
-    pos = torch.zeros_like(labels, dtype=torch.bool)
-    pos[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return pos
 
 
 @torch.no_grad()

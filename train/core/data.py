@@ -60,6 +60,14 @@ def split_rank(messages: list[dict], seed: int) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=8).digest()
 
 
+def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions t whose next token t+1 is supervised (where the verifier's law,
+    or the next token, is trained)."""
+    pos = torch.zeros_like(labels, dtype=torch.bool)
+    pos[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return pos
+
+
 # ----------------------------------------------------------------------------------------
 # Tokenization with assistant-only labels
 
