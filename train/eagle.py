@@ -61,21 +61,36 @@ def unroll_mask(pad_ok: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Te
     return additive_mask(allowed, dtype)[:, None]  # (B, 1, T, (step+1)T)
 
 
-def soft_targets(drafter, target: dict, rows: torch.Tensor, lm_head) -> torch.Tensor:
-    """The verifier's next-token law at `rows` (N,) of the flattened batch, over the draft vocab.
+def target_law(drafter, target: dict, lm_head) -> torch.Tensor:
+    """The verifier's next-token law at every position, over the draft vocabulary: (B, T, V').
 
     From the stored top-k logits when the features have them (renormalised over the k), else
-    softmax(lm_head(f)). A reduced draft vocabulary keeps its tokens' mass, renormalised."""
+    softmax(lm_head(f)). A reduced draft vocabulary keeps its tokens' mass, renormalised: the
+    softmax over those rows of lm_head only, so the V x H projection is never paid in full.
+    Computed once per batch; unrolled step s reads position t + s + 1."""
+    drafter_vocab = drafter.config.draft_vocab_size
     if "topk_values" in target:
-        values = target["topk_values"].flatten(0, 1)[rows].float()  # (N, k)
-        indices = target["topk_indices"].flatten(0, 1)[rows].long()  # (N, k)
-        probs = torch.zeros(rows.numel(), drafter.config.vocab_size, device=values.device)
-        probs.scatter_(1, indices, torch.softmax(values, dim=-1))  # (N, V)
+        values = target["topk_values"].float()  # (B, T, k)
+        indices = target["topk_indices"].long()  # (B, T, k)
+        law = torch.softmax(values, dim=-1)  # (B, T, k)
+        width = drafter.config.vocab_size
+        if drafter_vocab is not None:  # verifier id -> draft index, -1 outside the draft vocabulary
+            ids = drafter.target_ids.to(indices.device)
+            where = torch.full((width,), -1, dtype=torch.long, device=indices.device)
+            where[ids] = torch.arange(ids.numel(), device=indices.device)
+            indices, width = where[indices], ids.numel()
+            law = law * (indices >= 0)
+            indices = indices.clamp_min(0)
+        probs = law.new_zeros(*values.shape[:2], width).scatter_add_(-1, indices, law)  # (B, T, V')
     else:
-        feats = target["hidden"].flatten(0, 1)[rows]  # (N, H)
-        probs = torch.softmax(lm_head(feats.to(lm_head.weight.dtype)).float(), dim=-1)  # (N, V)
-    if drafter.config.draft_vocab_size is not None:
-        probs = probs[:, drafter.target_ids]  # (N, N_draft)
+        weight = lm_head.weight  # (V, H)
+        bias = getattr(lm_head, "bias", None)
+        if drafter_vocab is not None:
+            ids = drafter.target_ids.to(weight.device)
+            weight, bias = weight[ids], (bias[ids] if bias is not None else None)  # (V', H)
+        logits = F.linear(target["hidden"].to(weight.dtype), weight, bias).float()  # (B, T, V')
+        probs = torch.softmax(logits, dim=-1)
+    if drafter_vocab is not None:
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
     return probs
 
@@ -118,23 +133,23 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
         source = source + (torch.rand_like(source) - 0.5) * noise
     dtype = next(drafter_.parameters()).dtype  # DeepSpeed bf16 holds the drafter in bf16 (no autocast)
     feature = drafter_.input_features(source.to(dtype), source.to(dtype))  # (B, T, H)
+    law = target_law(drafter_, inputs, lm_head)  # (B, T, V'): the targets of every step
     loss = hidden.new_zeros(())
     stats: dict[str, float] = {}
     for s, feature in enumerate(unroll(drafter, inputs["embeds"].to(dtype), feature, attn, steps)):
-        rows = valid[s].flatten().nonzero().flatten()  # (N,)
-        pred = feature.flatten(0, 1)[rows]  # (N, H)
-        target = {k: shift(v, s + 1) for k, v in inputs.items() if k in ("hidden", "topk_values", "topk_indices")}
-        f_true = target["hidden"].flatten(0, 1)[rows].to(pred.dtype)  # (N, H)
-        probs = soft_targets(drafter_, target, rows, lm_head)  # (N, V')
+        b, t = valid[s].nonzero(as_tuple=True)  # (N,) each: step s predicts position t + s + 1 (< T: valid)
+        pred = feature[b, t]  # (N, H)
+        f_true = hidden[b, t + s + 1].to(pred.dtype)  # (N, H)
+        probs = law[b, t + s + 1]  # (N, V')
         logits = drafter_.logits(pred, lm_head).float()  # (N, V')
         feat_sum = F.smooth_l1_loss(pred.float(), f_true.float(), reduction="sum") / pred.shape[-1]
         cls_sum = -(probs * torch.log_softmax(logits, dim=-1)).sum()
         step_sum = mcfg.w_feat * feat_sum + mcfg.w_cls * cls_sum
         loss = loss + mcfg.decay ** s * step_sum * (world / max(float(counts[s]), 1.0))
         with torch.no_grad():  # every key on every process, even without rows (stats are summed across them)
-            stats[f"step{s}/loss"] = step_sum.item() / max(rows.numel(), 1)
+            stats[f"step{s}/loss"] = step_sum.item() / max(b.numel(), 1)
             stats[f"step{s}/top1_hits"] = (logits.argmax(-1) == probs.argmax(-1)).sum().item()
-            stats[f"step{s}/count"] = rows.numel()
+            stats[f"step{s}/count"] = b.numel()
     return loss, stats
 
 

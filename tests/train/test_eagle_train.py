@@ -149,18 +149,29 @@ def test_training_from_features_with_topk_logits(tiny_model_dir, tmp_path):
     assert summary["steps"] == 3 and _train_losses(tmp_path / "run")[-1] < _train_losses(tmp_path / "run")[0]
 
 
-def test_soft_targets_from_topk_logits_match_the_full_law_on_those_tokens():
+def test_target_law_from_topk_logits_and_a_draft_vocab_match_the_full_law_on_those_tokens():
+    """target_law: the verifier's law from lm_head(f) or from stored top-k logits, over the full
+    vocabulary or renormalised over a draft vocabulary (then only those lm_head rows are used)."""
     from types import SimpleNamespace
 
-    from draftsmith.train.eagle import soft_targets
+    from draftsmith.train.eagle import target_law
 
     torch.manual_seed(0)
-    lm_head = torch.nn.Linear(8, 20, bias=False)
-    hidden = torch.randn(1, 4, 8)  # (B, T, H)
-    logits = lm_head(hidden).detach()
-    values, indices = logits.topk(20, dim=-1)  # all 20: the law itself
-    drafter = SimpleNamespace(config=SimpleNamespace(vocab_size=20, draft_vocab_size=None))
-    rows = torch.tensor([0, 2, 3])
-    full = soft_targets(drafter, {"hidden": hidden}, rows, lm_head)
-    stored = soft_targets(drafter, {"topk_values": values, "topk_indices": indices}, rows, lm_head)
-    torch.testing.assert_close(stored, full.detach())
+    lm_head = torch.nn.Linear(8, 20, bias=False).double()
+    hidden = torch.randn(2, 4, 8, dtype=torch.float64)  # (B, T, H)
+    logits = lm_head(hidden).detach()  # (B, T, V)
+    exact = torch.softmax(logits, dim=-1)  # the law itself
+    values, indices = logits.topk(20, dim=-1)  # all 20 stored
+    full = SimpleNamespace(config=SimpleNamespace(vocab_size=20, draft_vocab_size=None))
+    torch.testing.assert_close(target_law(full, {"hidden": hidden}, lm_head).double(), exact)
+    torch.testing.assert_close(target_law(full, {"topk_values": values, "topk_indices": indices}, lm_head).double(),
+                               exact, atol=1e-6, rtol=1e-5)  # the stored path computes in fp32
+    ids = torch.tensor([3, 7, 11, 19, 0])  # a draft vocabulary, in draft order
+    draft = SimpleNamespace(config=SimpleNamespace(vocab_size=20, draft_vocab_size=5), target_ids=ids)
+    restricted = exact[..., ids] / exact[..., ids].sum(-1, keepdim=True)  # (B, T, 5)
+    torch.testing.assert_close(target_law(draft, {"hidden": hidden}, lm_head).double(), restricted)
+    top6 = logits.topk(6, dim=-1)  # some draft tokens fall outside the stored k: no mass there
+    law6 = torch.zeros_like(exact).scatter_(-1, top6.indices, torch.softmax(top6.values, dim=-1))[..., ids]
+    torch.testing.assert_close(target_law(draft, {"topk_values": top6.values, "topk_indices": top6.indices},
+                                          lm_head).double(),
+                               law6 / law6.sum(-1, keepdim=True).clamp_min(1e-12), atol=1e-6, rtol=1e-5)
