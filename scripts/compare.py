@@ -7,7 +7,9 @@
 
 Every cell (method x dataset x temperature) is one decode/evaluate.py run in this process,
 with plain decoding interleaved on the same prompts, so speedups are same-run ratios; tau does
-not depend on the machine. Writes output_dir/compare.{json,md} and each cell's evaluate folder
+not depend on the machine. Plain decoding is also timed alone in each of `plain_dtypes` per
+dataset (greedy), and every method's tokens/s is given against the fastest of those too: the
+speed a user gets without any drafter on this machine. Writes output_dir/compare.{json,md} and each cell's evaluate folder
 (with cell.yaml, the cell's full config). A rerun into the same output_dir reuses every cell
 whose cell.yaml matches exactly (a stopped comparison resumes; a changed setting re-runs that
 cell); `rerun=true` runs them all again.
@@ -21,11 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode.evaluate import evaluate_config, model_overrides
 from draftsmith.decode.evaluate import run as evaluate
+from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
+from draftsmith.models.errors import DraftsmithError
 
 
-def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool):
-    return evaluate_config([*model_overrides(cfg.model), f"model.dtype={cfg.dtype}", f"data={dataset}",
+def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool,
+                dtype: str | None = None):
+    return evaluate_config([*model_overrides(cfg.model), f"model.dtype={dtype or cfg.dtype}", f"data={dataset}",
                             f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
@@ -49,9 +54,38 @@ def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
     return report
 
 
+def fastest_plain(cfg: DictConfig, out_dir: Path) -> tuple[list[dict], dict[str, dict]]:
+    """Plain decoding alone in each of cfg.plain_dtypes, per dataset, greedy: its rows, and per
+    dataset the fastest of them ({"dtype", "tokens_per_s"})."""
+    rows, fastest = [], {}
+    if len(set(cfg.plain_dtypes)) != len(cfg.plain_dtypes):
+        raise DraftsmithError(f"plain_dtypes={list(cfg.plain_dtypes)} lists a dtype twice; list each once")
+    for dataset in cfg.datasets:
+        for dtype in cfg.plain_dtypes:
+            out = out_dir / f"plain-{dtype}-{dataset}"
+            cell = cell_config(cfg, ["method=vanilla", "drafter=null"], dataset, 0.0, out, hf=False, dtype=dtype)
+            plain = run_cell(cell, out, rerun=bool(cfg.rerun))["methods"]["vanilla"]
+            rows.append({"method": f"plain-{dtype}", "dataset": dataset, "temperature": 0.0, "tau": 1.0,
+                         "speedup": None, "tokens_per_s": plain["tokens_per_s"], "vanilla_tokens_per_s": None,
+                         "greedy_identity_rate": None, "unexplained_divergences": None, "lossy": False})
+            if plain["tokens_per_s"] > fastest.get(dataset, {}).get("tokens_per_s", 0.0):
+                fastest[dataset] = {"dtype": dtype, "tokens_per_s": plain["tokens_per_s"]}
+    return rows, fastest
+
+
+def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[dict]) -> None:
+    """compare.json after every cell, each row with its tokens/s over the fastest plain decoding."""
+    for r in rows:
+        if r["dataset"] in fastest:
+            r["vs_fastest_plain"] = r["tokens_per_s"] / fastest[r["dataset"]]["tokens_per_s"]
+    write_atomic_text(out_dir / "compare.json", json.dumps({"settings": OmegaConf.to_container(cfg, resolve=True),
+                                                             "fastest_plain": fastest, "rows": rows}, indent=2))
+
+
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
-    rows = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, fastest = fastest_plain(cfg, out_dir)
     if cfg.assistant and not Path(cfg.assistant).is_dir():
         print(f"compare: no HF assisted generation: no draft model at assistant={cfg.assistant}", flush=True)
         cfg.assistant = None
@@ -87,9 +121,9 @@ def run(cfg: DictConfig) -> dict:
                                      "greedy_identity_rate": report["methods"][hf_name].get("greedy_identity_rate"),
                                      "unexplained_divergences": report["methods"][hf_name].get(
                                          "greedy_divergences_unexplained"), "lossy": False})
-                (out_dir / "compare.json").write_text(json.dumps({"settings": OmegaConf.to_container(cfg, resolve=True),
-                                                                  "rows": rows}, indent=2))
-    table = markdown(rows, cfg)
+                save(cfg, out_dir, fastest, rows)
+    save(cfg, out_dir, fastest, rows)
+    table = markdown(rows, cfg, fastest)
     (out_dir / "compare.md").write_text(table + "\n")
     print(table)
     return {"rows": rows}
@@ -100,13 +134,16 @@ def cell_row(rows: list[dict], method: str, dataset: str, temperature: float) ->
                 None)
 
 
-def markdown(rows: list[dict], cfg) -> str:
-    """One line per method: tau and speedup vs plain decoding per dataset x temperature."""
+def markdown(rows: list[dict], cfg, fastest: dict[str, dict]) -> str:
+    """One line per method: tau, speedup vs plain decoding in the same cell and (in brackets) vs
+    the fastest plain decoding of the dataset, per dataset x temperature."""
     cells = [(d, float(t)) for d in cfg.datasets for t in cfg.temperatures]
-    head = " | ".join(f"{d} T={t:g} tau / speedup" for d, t in cells)
+    head = " | ".join(f"{d} T={t:g} tau / speedup (vs fastest plain)" for d, t in cells)
+    plain = ", ".join(f"{d}: {f['dtype']} {f['tokens_per_s']:.1f} tok/s" for d, f in fastest.items())
     lines = [f"{cfg.model.name} ({cfg.dtype}), {cfg.num_prompts} prompts per dataset, {cfg.max_new_tokens} new tokens; "
-             f"speedup = tokens/s vs plain decoding in the same run", "", f"| method | {head} | greedy identical |",
-             "|---|" + "---|" * (len(cells) + 1)]
+             f"speedup = tokens/s vs plain {cfg.dtype} decoding interleaved in the same cell"
+             + (f"; in brackets vs the fastest plain decoding timed alone ({plain})" if fastest else ""), "",
+             f"| method | {head} | greedy identical |", "|---|" + "---|" * (len(cells) + 1)]
     for method in dict.fromkeys(r["method"] for r in rows):
         parts, ident = [], []
         for d, t in cells:
@@ -115,7 +152,9 @@ def markdown(rows: list[dict], cfg) -> str:
                 parts.append("-")
                 continue
             tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-            parts.append(f"{tau} / {r['speedup']:.2f}x")
+            speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            vs = f" ({r['vs_fastest_plain']:.2f}x)" if "vs_fastest_plain" in r else ""
+            parts.append(f"{tau} / {speed}{vs}")
             if t == 0.0 and r["greedy_identity_rate"] is not None:
                 ident.append(f"{r['greedy_identity_rate']:.0%} ({r['unexplained_divergences']} non-tie)")
         lines.append(f"| {method} | " + " | ".join(parts) + f" | {', '.join(ident) or '-'} |")

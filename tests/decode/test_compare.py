@@ -12,13 +12,18 @@ from tests.hub import compose_config
 def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path, monkeypatch):
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
         "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
-        "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "only=[prompt-lookup,lookahead,eagle1]",
+        "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "plain_dtypes=[float32,bfloat16]", "only=[prompt-lookup,lookahead,eagle1]",
         "methods={prompt-lookup: ['method=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
         " lookahead: ['method=lookahead', 'decode=lookahead', 'drafter=null'],"
         f" eagle1: ['method=eagle', 'drafter={tmp_path / 'missing'}', 'decode=eagle-dynamic']}}"])
     result = run(cfg)
     rows = result["rows"]
-    ours = [r for r in rows if not r["method"].startswith("hf_")]
+    plain = {r["method"]: r for r in rows if r["method"].startswith("plain-")}
+    assert set(plain) == {"plain-float32", "plain-bfloat16"}  # each timed alone, greedy
+    fastest = max(plain.values(), key=lambda r: r["tokens_per_s"])
+    assert fastest["vs_fastest_plain"] == 1.0 and all(r["vs_fastest_plain"] <= 1.0 for r in plain.values())
+    assert all(r["vs_fastest_plain"] == r["tokens_per_s"] / fastest["tokens_per_s"] for r in rows)
+    ours = [r for r in rows if not r["method"].startswith(("hf_", "plain-"))]
     assert {(r["method"], r["temperature"]) for r in ours} == {
         ("prompt-lookup", 0.0), ("prompt-lookup", 0.7), ("lookahead", 0.0), ("lookahead", 0.7)}
     assert all(r["tau"] >= 1.0 for r in ours)
@@ -28,6 +33,7 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     table = (tmp_path / "compare.md").read_text()
     assert "| prompt-lookup |" in table and "| lookahead |" in table and "eagle1" not in table
     assert json.loads((tmp_path / "compare.json").read_text())["rows"] == rows
+    assert "(vs fastest plain)" in table and "| plain-float32 | 1.00 / - (" in table
     assert "Per-token latency" in table and all(r["latency_p99_ms"] >= r["latency_median_ms"] > 0 for r in ours)
 
     # a rerun reuses the finished cells; a cell without its cell.yaml (killed, or its config changed) re-runs
@@ -39,7 +45,7 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     assert calls == [str(tmp_path / "lookahead-tiny-T0.7")]
     assert [(r["method"], r["tau"]) for r in again] == [(r["method"], r["tau"]) for r in rows]
     compare.run(OmegaConf.merge(cfg, {"rerun": True}))
-    assert len(calls) == 1 + 4
+    assert len(calls) == 1 + 2 + 4  # the two plain cells, then the four method cells
 
 
 def test_catalog_follows_cmp_dir(tmp_path):
