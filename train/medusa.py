@@ -6,7 +6,11 @@
     accelerate launch --config_file conf/accelerate/ddp-8gpu.yaml train/medusa.py model=vicuna-7b-v1.3 data=sharegpt
 
 Head k (0-based) reads the verifier's final hidden state at t and predicts token t+k+2.
-Head loss = sum_k decay^k * CE_k over assistant tokens.
+Head loss = sum_k decay^k * CE_k over assistant tokens. The tokens are the data's
+(method.targets=labels: right for self-distilled answers, which ARE the verifier's) or the
+verifier's own greedy token at each assistant position given the text before it
+(method.targets=verifier: for fixed text such as ShareGPT, the heads then learn what the
+verifier will accept rather than what the human wrote; from the same forward, one lm_head).
 
 Medusa-2 (method.name=medusa2) also tunes the backbone (method.backbone=lora via peft, or full)
 so its last hidden state is easier to speculate from, while keeping the verifier's outputs:
@@ -49,6 +53,7 @@ from draftsmith.train.core.lora import merged, tunable
 from draftsmith.train.core.losses import fkl, simulated_tau
 
 BACKBONES = {"frozen": "Medusa-1", "lora": "Medusa-2, LoRA (peft)", "full": "Medusa-2, full fine-tuning"}
+TARGETS = {"labels": "the data's tokens", "verifier": "the verifier's greedy token at each assistant position"}
 
 
 def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +120,19 @@ def medusa_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, lm_head, deca
 
 
 @torch.no_grad()
+def verifier_labels(hidden: torch.Tensor, labels: torch.Tensor, lm_head) -> torch.Tensor:
+    """(B, T) labels -> the verifier's greedy token at each supervised position, IGNORE_INDEX elsewhere.
+
+    Position j's token is argmax lm_head(f_{j-1}): what the verifier emits after the real text
+    up to j-1 (teacher forcing, as EAGLE's targets). hidden (B, T, H) final verifier states."""
+    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): token j = t+1 is supervised
+    out = torch.full_like(labels, IGNORE_INDEX)
+    feats = hidden[:, :-1][mask]  # (N, H)
+    out[:, 1:][mask] = lm_head(feats.to(lm_head.weight.dtype)).argmax(-1)  # (N,)
+    return out
+
+
+@torch.no_grad()
 def verifier_features(verifier, batch) -> torch.Tensor:
     """The verifier's final hidden states (B, T, H) in fp32: stored offline, or computed now."""
     if "hidden" in batch:
@@ -122,10 +140,20 @@ def verifier_features(verifier, batch) -> torch.Tensor:
     return verifier.hidden_states(batch["input_ids"], batch["attention_mask"]).float()
 
 
-def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head, t2d=None) -> dict:
-    """Held-out loss, per-head top-1 / top-5 accuracy and the simulated acceptance length."""
-    totals, loss = loop.held_out_totals(accelerator, heads, loader, lambda batch: medusa_loss(
-        heads, verifier_features(verifier, batch), batch["labels"], lm_head, decay, num_heads, t2d=t2d))
+def head_labels(hidden: torch.Tensor, batch: dict, lm_head, targets: str) -> torch.Tensor:
+    """The tokens the heads learn (method.targets): the data's, or the verifier's greedy ones."""
+    return verifier_labels(hidden, batch["labels"], lm_head) if targets == "verifier" else batch["labels"]
+
+
+def evaluate(verifier, heads, loader, accelerator, decay: float, num_heads: int, lm_head, t2d=None,
+             targets: str = "labels") -> dict:
+    """Held-out loss, per-head top-1 / top-5 accuracy and the simulated acceptance length
+    (against method.targets: with `verifier`, agreement with the verifier's greedy tokens)."""
+    def one(batch):
+        hidden = verifier_features(verifier, batch)
+        return medusa_loss(heads, hidden, head_labels(hidden, batch, lm_head, targets), lm_head, decay, num_heads,
+                           t2d=t2d)
+    totals, loss = loop.held_out_totals(accelerator, heads, loader, one)
     return {"eval/loss": loss, **head_metrics(totals, num_heads)}
 
 
@@ -327,6 +355,11 @@ def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
     choose(BACKBONES, mcfg.backbone, "method.backbone")
     accelerator = loop.start(cfg)
+    targets = mcfg.get("targets", "labels")
+    choose(TARGETS, targets, "method.targets")
+    if mcfg.backbone != "frozen" and targets != "labels":
+        raise DraftsmithError(f"method.targets={targets} is for Medusa-1 (a frozen verifier to take the tokens "
+                              f"from); method.backbone={mcfg.backbone} trains on the data: set method.targets=labels")
     if mcfg.backbone != "frozen" and cfg.data.get("features"):
         raise DraftsmithError(f"method.backbone={mcfg.backbone} tunes the verifier, so stored features cannot stand "
                               f"in for it; set data.features=null")
@@ -362,19 +395,20 @@ def run(cfg: DictConfig) -> dict:
     def loss_step(model, batch):
         """The loss step: frozen verifier features, then the heads' weighted CE."""
         hidden = verifier_features(verifier, batch)  # (B, T, H) frozen, fp32
+        labels = head_labels(hidden, batch, lm_head, targets)  # (B, T)
         with accelerator.autocast():
-            loss, stats = medusa_loss(model, hidden, batch["labels"], lm_head, mcfg.decay, config.num_heads,
+            loss, stats = medusa_loss(model, hidden, labels, lm_head, mcfg.decay, config.num_heads,
                                       global_counts(accelerator), t2d)
         return loss, loop.loss_logs(stats)
 
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=heads, param_groups=[{"params": list(heads.parameters())}], loss_step=loss_step,
         evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg.decay, config.num_heads,
-                                        lm_head, t2d),
+                                        lm_head, t2d, targets),
         save=loop.drafter_saver(cfg, accelerator, "medusa", config, verifier, warm_start=warm),
         best_key="eval/simulated_tau", probe=loop.probe_on(cfg, accelerator, frozen),
         report=lambda m: loop.top1_report(m, "head{}_top1", "h", config.num_heads),
-        describe=f"{config.num_heads} heads ({vocab_note}), {frozen.describe()}"))
+        describe=f"{config.num_heads} heads ({vocab_note}; targets: {TARGETS[targets]}), {frozen.describe()}"))
 
 
 if __name__ == "__main__":

@@ -92,3 +92,44 @@ def test_max_minutes_stops_evaluates_saves_and_a_rerun_stays_stopped(tiny_model_
     assert summary["steps"] == 1 and "eval/simulated_tau" in summary  # the budget ran out after the first step
     assert (out / "checkpoints" / "step-00000001").is_dir() and (out / "final" / "meta.json").is_file()
     assert run(cfg)["steps"] == 1  # resumed past its budget: nothing more is trained
+
+
+def test_verifier_targets_are_its_greedy_tokens_and_equal_the_labels_of_its_own_greedy_answer():
+    """method.targets=verifier: the token at each supervised position j is argmax of the verifier
+    at j-1 (checked against HF logits); on the verifier's own greedy answer (self-distilled data)
+    those are exactly the labels; and on other text they differ."""
+    import torch
+
+    from draftsmith.models.vocab import IGNORE_INDEX
+    from draftsmith.train.medusa import verifier_labels
+    from tests.tiny import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(dtype=torch.float64).eval()
+    prompt = torch.randint(0, 128, (2, 5))
+    answer = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)  # (2, 13) greedy
+    labels = answer.clone()
+    labels[:, :5] = IGNORE_INDEX  # the answer is supervised, the prompt is not
+    with torch.no_grad():
+        out = model(answer, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # (2, 13, H) final normed states
+    got = verifier_labels(hidden, labels, model.lm_head)
+    assert (got[:, :5] == IGNORE_INDEX).all()
+    assert torch.equal(got[:, 5:], out.logits[:, 4:-1].argmax(-1))  # position j from the logits at j-1
+    assert torch.equal(got, labels)  # the verifier's own greedy answer: its targets are the labels
+    text = answer.clone()
+    text[:, 5:] = torch.randint(0, 128, (2, 8))  # fixed text the verifier did not write
+    with torch.no_grad():
+        h = model(text, output_hidden_states=True).hidden_states[-1]
+    other = verifier_labels(h, torch.where(labels == IGNORE_INDEX, labels, text), model.lm_head)
+    assert not torch.equal(other[:, 5:], text[:, 5:])
+
+
+def test_verifier_targets_train_and_are_refused_for_medusa2(tiny_model_dir, tmp_path):
+    summary = run(_cfg(tiny_model_dir, tmp_path / "run", "method.targets=verifier"))
+    assert summary["steps"] == 3 and 0.0 <= summary["eval/head0_top1"] <= 1.0
+    with pytest.raises(DraftsmithError, match="method.targets='teacher' is not known; valid: labels, verifier"):
+        run(_cfg(tiny_model_dir, tmp_path / "bad", "method.targets=teacher"))
+    with pytest.raises(DraftsmithError, match="method.targets=verifier is for Medusa-1"):
+        run(compose_config("medusa", tiny_model_overrides(tiny_model_dir) + [
+            "method=medusa2", "method.targets=verifier", "data=tiny", "trainer=debug", f"output_dir={tmp_path / 'm2'}"]))
