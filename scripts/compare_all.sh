@@ -26,7 +26,7 @@ curves=()
 for m in $METHODS; do
     case $m in
         eagle1|eagle3) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
-        medusa1) python train/medusa.py $run method.draft_vocab_size=8192 output_dir="$OUT/$m" "$@" ;;
+        medusa1) python train/medusa.py $run method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
         draft-fkl) python train/draft.py $run method=draft-fkl method.student.num_layers=4 trainer.lr=3e-4 \
                        output_dir="$OUT/$m" "$@" ;;
         *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;
