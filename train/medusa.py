@@ -200,7 +200,7 @@ def medusa2_loss(model, teacher, batch, mcfg, step: int, num_heads: int, t2d=Non
     logits, p_logits = upcast(logits), upcast(p_logits)  # fp32 at least (fp64 stays fp64)
     log_q = torch.log_softmax(logits, dim=-1)  # (N, V) tuned
     p = torch.softmax(p_logits, dim=-1)  # (N, V) original
-    kl = fkl(p, None, log_q, None)  # (N,) KL(original || tuned)
+    kl = fkl(p, log_q, None)  # (N,) KL(original || tuned)
     target = labels[:, 1:][pos[:, :-1]]  # (N,) the next tokens
     nll = -log_q.gather(-1, target[:, None])[:, 0]  # (N,)
     backbone_sum = choose({"kl": kl, "ce": nll}, mcfg.backbone_loss, "method.backbone_loss").sum()

@@ -21,12 +21,17 @@ import torch.nn.functional as F
 from draftsmith.models.errors import DraftsmithError, choose
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T, without a copy at T = 1 (the (N, V) tensors here are the step's largest)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def teacher_probs(teacher, vocab_size: int, temperature: float) -> torch.Tensor:
     """Dense logits (N, V), or (values, indices) of a top-k teacher -> p (N, V) in fp32."""
     if isinstance(teacher, torch.Tensor):
-        return F.softmax(teacher.float() / temperature, dim=-1)
+        return F.softmax(scaled(teacher, temperature), dim=-1, dtype=torch.float32)
     values, indices = teacher
-    top = F.softmax(values.float() / temperature, dim=-1)  # (N, k) renormalised over the top-k
+    top = F.softmax(scaled(values, temperature), dim=-1, dtype=torch.float32)  # (N, k) renormalised over the top-k
     return torch.zeros(values.shape[0], vocab_size, device=values.device).scatter_(-1, indices.long(), top)
 
 
@@ -35,25 +40,30 @@ def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tens
     return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
 
 
-def fkl(p, q, log_q, beta):
-    return _kl(p, torch.log(p.clamp_min(1e-38)), log_q)
+def fkl(p, log_q, beta):
+    """KL(p || q) = sum p log p - sum p log q: the teacher's entropy term is a constant (no
+    graph), so the backward is one (N, V) product, not the where/log chain of _kl."""
+    with torch.no_grad():
+        neg_entropy = torch.special.xlogy(p, p).sum(-1)  # (N,), 0 log 0 = 0
+    return neg_entropy - (p * log_q).sum(-1)
 
 
-def rkl(p, q, log_q, beta):
+def rkl(p, log_q, beta):
     if bool((p == 0).any()):
         raise DraftsmithError("method.divergence=rkl needs the teacher's full distribution (KL(q||p) is "
                               "infinite where a top-k teacher has 0); train online or use fkl / jsd / tvd")
-    return _kl(q, log_q, torch.log(p))
+    return _kl(log_q.exp(), log_q, torch.log(p))
 
 
-def jsd(p, q, log_q, beta):
+def jsd(p, log_q, beta):
+    q = log_q.exp()
     m = beta * p + (1 - beta) * q
     log_m = torch.log(m.clamp_min(1e-38))
     return beta * _kl(p, torch.log(p.clamp_min(1e-38)), log_m) + (1 - beta) * _kl(q, log_q, log_m)
 
 
-def tvd(p, q, log_q, beta):
-    return 0.5 * (p - q).abs().sum(-1)
+def tvd(p, log_q, beta):
+    return 0.5 * (p - log_q.exp()).abs().sum(-1)
 
 
 DIVERGENCES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd}
@@ -65,15 +75,15 @@ def divergence(student_logits: torch.Tensor, teacher, kind: str, temperature: fl
     fn = choose(DIVERGENCES, kind, "method.divergence")
     if not 0.0 < beta < 1.0 and kind == "jsd":
         raise DraftsmithError(f"method.beta={beta}: the JSD mixing weight must be in (0, 1)")
-    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (N, V)
+    log_q = F.log_softmax(scaled(student_logits, temperature), dim=-1, dtype=torch.float32)  # (N, V)
     p = teacher_probs(teacher, student_logits.shape[-1], temperature)  # (N, V)
-    return fn(p, log_q.exp(), log_q, beta)
+    return fn(p, log_q, beta)
 
 
 @torch.no_grad()
 def acceptance_rate(student_logits: torch.Tensor, teacher, temperature: float = 1.0) -> torch.Tensor:
     """(N,) sum_x min(p(x), q(x)): the chance a token drafted from q is accepted against p."""
-    q = F.softmax(student_logits.float() / temperature, dim=-1)
+    q = F.softmax(scaled(student_logits, temperature), dim=-1, dtype=torch.float32)
     p = teacher_probs(teacher, student_logits.shape[-1], temperature)
     return torch.minimum(p, q).sum(-1)
 
