@@ -4,8 +4,9 @@ training run saved (trainer.snapshot_every=N writes output_dir/snapshots/step-N)
     python train/eagle.py method=eagle3 data=mix trainer=cpu-long output_dir=outputs/long/eagle3
     python scripts/learning_curve.py runs.eagle3=outputs/long/eagle3
 
-For every snapshot: the held-out simulated tau the trainer measured (its meta.json metrics,
-with the training tokens and seconds so far) and the real greedy decode tau on `dataset`
+For every snapshot: the held-out tau the trainer measured (its meta.json metrics, with the
+training tokens and seconds so far: the simulated acceptance length of Medusa / EAGLE heads,
+or a draft model's chain tau from its greedy agreement, `HELD_OUT`) and the real greedy decode tau on `dataset`
 (one decode/evaluate.py run, plain decoding interleaved; a snapshot already evaluated with the
 same settings is reused). Writes output_dir/learning_curve.{json,md} and learning_curve.png
 (tau against training tokens, and against training hours).
@@ -21,6 +22,15 @@ from draftsmith.decode.evaluate import evaluate_config, model_overrides
 from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
+
+
+HELD_OUT = ("eval/simulated_tau", "eval/chain_tau_greedy")  # heads / EAGLE; a draft model's greedy chain
+
+
+def held_out(metrics: dict) -> tuple[str | None, float | None]:
+    """The snapshot's held-out tau: (metric name, value), or (None, None) if it logged none."""
+    key = next((k for k in HELD_OUT if k in metrics), None)
+    return key, (metrics[key] if key else None)
 
 
 def snapshots(run_dir: Path) -> list[Path]:
@@ -60,11 +70,12 @@ def run(cfg: DictConfig) -> dict:
             decoded = decode_tau(cfg, name, snap, out_dir / name / snap.name)
             method = next(m for m in decoded["methods"] if m not in ("vanilla",) and not m.startswith("hf"))
             stats = decoded["methods"][method]
+            key, tau = held_out(metrics)
             points.append({"step": metrics["step"], "tokens": metrics["tokens"], "seconds": metrics["seconds"],
-                           "simulated_tau": metrics.get("eval/simulated_tau"), "decode_tau": stats["tau"],
+                           "held_out_tau": tau, "held_out_metric": key, "decode_tau": stats["tau"],
                            "speedup": stats["speedup"], "snapshot": str(snap)})
             print(f"learning_curve: {name} step {points[-1]['step']}: {points[-1]['tokens']:,} tokens, "
-                  f"simulated tau {points[-1]['simulated_tau']:.2f}, decode tau {stats['tau']:.2f}", flush=True)
+                  f"held-out tau {fmt(tau)} ({key}), decode tau {stats['tau']:.2f}", flush=True)
         report["runs"][name] = {"run_dir": str(run_dir), "points": points}
     (out_dir / "learning_curve.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
@@ -74,14 +85,19 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown(report: dict) -> str:
     lines = [f"{report['dataset']}, {report['num_prompts']} prompts, greedy, {report['max_new_tokens']} new tokens, "
-             f"{report['dtype']}", "", "| run | step | training tokens | training h | held-out sim. tau | decode tau | speedup |",
+             f"{report['dtype']}; held-out tau: {' | '.join(HELD_OUT)}", "",
+             "| run | step | training tokens | training h | held-out tau | decode tau | speedup |",
              "|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         for p in r["points"]:
             lines.append(f"| {name} | {p['step']} | {p['tokens']:,} | {p['seconds'] / 3600:.2f} | "
-                         f"{p['simulated_tau']:.2f} | {p['decode_tau']:.2f} | {p['speedup']:.2f}x |")
+                         f"{fmt(p['held_out_tau'])} | {p['decode_tau']:.2f} | {p['speedup']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -96,11 +112,11 @@ def plot(report: dict, path: Path) -> None:
         pts = r["points"]
         for ax, x in zip(axes, ([p["tokens"] / 1e6 for p in pts], [p["seconds"] / 3600 for p in pts])):
             line, = ax.plot(x, [p["decode_tau"] for p in pts], marker="o", label=f"{name} decode")
-            ax.plot(x, [p["simulated_tau"] for p in pts], ls="--", color=line.get_color(), label=f"{name} simulated")
+            ax.plot(x, [p["held_out_tau"] for p in pts], ls="--", color=line.get_color(), label=f"{name} held-out")
     axes[0].set(xlabel="training tokens (M)", ylabel="tau (tokens per verifier step)")
     axes[1].set(xlabel="training hours (this machine)")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{report['dataset']} greedy decode tau and held-out simulated tau", fontsize=9)
+    fig.suptitle(f"{report['dataset']} greedy decode tau (solid) and held-out tau (dashed)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
