@@ -138,7 +138,8 @@ def markdown(rows: list[dict], cfg, fastest: dict[str, dict]) -> str:
     """One line per method: tau, speedup vs plain decoding in the same cell and (in brackets) vs
     the fastest plain decoding of the dataset, per dataset x temperature."""
     cells = [(d, float(t)) for d in cfg.datasets for t in cfg.temperatures]
-    head = " | ".join(f"{d} T={t:g} tau / speedup (vs fastest plain)" for d, t in cells)
+    vs = " (vs fastest plain)" if fastest else ""
+    head = " | ".join(f"{d} T={t:g} tau / speedup{vs}" for d, t in cells)
     plain = ", ".join(f"{d}: {f['dtype']} {f['tokens_per_s']:.1f} tok/s" for d, f in fastest.items())
     lines = [f"{cfg.model.name} ({cfg.dtype}), {cfg.num_prompts} prompts per dataset, {cfg.max_new_tokens} new tokens; "
              f"speedup = tokens/s vs plain {cfg.dtype} decoding interleaved in the same cell"

@@ -46,6 +46,9 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     assert [(r["method"], r["tau"]) for r in again] == [(r["method"], r["tau"]) for r in rows]
     compare.run(OmegaConf.merge(cfg, {"rerun": True}))
     assert len(calls) == 1 + 2 + 4  # the two plain cells, then the four method cells
+    bare = compare.run(OmegaConf.merge(cfg, {"plain_dtypes": []}))["rows"]  # no plain cells: no fastest ratio
+    assert not any(r["method"].startswith("plain-") or "vs_fastest_plain" in r for r in bare)
+    assert "fastest" not in (tmp_path / "compare.md").read_text()
 
 
 def test_catalog_follows_cmp_dir(tmp_path):
