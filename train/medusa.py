@@ -125,10 +125,9 @@ def verifier_labels(hidden: torch.Tensor, labels: torch.Tensor, lm_head) -> torc
 
     Position j's token is argmax lm_head(f_{j-1}): what the verifier emits after the real text
     up to j-1 (teacher forcing, as EAGLE's targets). hidden (B, T, H) final verifier states."""
-    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): token j = t+1 is supervised
+    pos = next_token_positions(labels)  # (B, T): t whose token t+1 is supervised
     out = torch.full_like(labels, IGNORE_INDEX)
-    feats = hidden[:, :-1][mask]  # (N, H)
-    out[:, 1:][mask] = lm_head(feats.to(lm_head.weight.dtype)).argmax(-1)  # (N,)
+    out[:, 1:][pos[:, :-1]] = lm_head(hidden[pos].to(lm_head.weight.dtype)).argmax(-1)  # (N,)
     return out
 
 
