@@ -13,7 +13,10 @@ Continuous batching on one KV cache (decode.cache.BufferedLayer, keys written in
 
 Every row owns the contiguous slots [start_r, L) and sees only those (an additive mask),
 positions count its own tokens (0 at start_r), so a row's logits are its own prompt's alone.
-One forward per step feeds each row's last token at slot L. When an eighth of the rows are
+One forward per step feeds each row's last token at slot L. The prompts' common prefix (a
+chat template's system prompt: about half of every chit-chat prompt's tokens) runs once;
+joining rows copy its keys/values into their slots and prefill only their own suffix
+(``share_prefix``). When an eighth of the rows are
 done, the batch is rebuilt in ONE copy of the cache: finished rows leave, waiting prompts
 join (prefilled together, right-aligned so their prompt ends at slot L-1), and slots no row
 sees any more are cut from the front. Greedy rows are the verifier's argmax decoding up to
@@ -29,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.decode.cache import check_compactable, new_cache
+from draftsmith.decode.cache import SLACK, check_compactable, new_cache
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs, sample_rows
 from draftsmith.decode.tree import additive_mask
 from draftsmith.models.errors import DraftsmithError
@@ -37,8 +40,8 @@ from draftsmith.models.errors import DraftsmithError
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens: argmax when greedy, else a draw from the law."""
-    if params.greedy:
-        return logits.argmax(-1)
+    if params.greedy:  # a bf16 argmax is slow on CPU; widening is exact, so the argmax is the same
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(-1)
     return sample_rows(logits_to_probs(logits, params.temperature, params.top_k, params.top_p), generator)
 
 
@@ -54,6 +57,21 @@ class _Batch:
         self.rows: list[int] = []  # prompt index of each row
         self.starts = torch.zeros(0, dtype=torch.long, device=self.device)  # (b,) first slot of each row
         self.last = torch.zeros(0, dtype=torch.long, device=self.device)  # (b,) each row's token for slot L
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (1, H, P, D): the shared prefix
+        self.prefix_len = 0  # P
+
+    def set_prefix(self, prefix: list[int]) -> None:
+        """Run the prompts' common prefix once; every joining row gets a copy of its keys/values."""
+        if not prefix:
+            return
+        P = len(prefix)
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+        cache = new_cache(self.model.config)
+        self.decoder(input_ids=torch.tensor([prefix], device=self.device),
+                     attention_mask=additive_mask(causal, self.model.dtype)[None, None],
+                     position_ids=torch.arange(P, device=self.device)[None], cache=cache, use_cache=True)
+        self.prefix = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]  # (1, H, P, D) each
+        self.prefix_len = P
 
     def prefill(self, prompts: list[list[int]]):
         """Run new prompts -> (their cache, right-aligned to the widest, (n,) next-token logits,
@@ -70,40 +88,60 @@ class _Batch:
         chunks.append(chunk)
         parts = [self._prefill_chunk([prompts[i] for i in c]) for c in chunks]
         width = max(w for _, _, w in parts)
-        cache = new_cache(self.model.config)
-        for layer_index, layer in enumerate(cache.layers):
-            pads = [(0, 0, width - w, 0) for _, _, w in parts]  # right-align every chunk at the widest
-            keys = torch.cat([torch.nn.functional.pad(c.layers[layer_index].keys, p) for (c, _, _), p in zip(parts, pads)])
-            values = torch.cat([torch.nn.functional.pad(c.layers[layer_index].values, p)
-                                for (c, _, _), p in zip(parts, pads)])
-            layer.set(keys, values)  # (n, H, W, D), rows in chunk order
-        logits = torch.cat([lg for _, lg, _ in parts])  # (n, V) in chunk order
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor([i for c in chunks for i in c])] = torch.arange(len(order))
-        back = back.to(self.device)  # prompt index -> its row in chunk order
-        cache.batch_select_indices(back)
-        return cache, logits[back], width
+        kv = []  # per layer (keys, values), each (n, H, W, D): prompt order, right-aligned at the widest
+        for layer_index in range(len(parts[0][0].layers)):
+            pair = []
+            for name in ("keys", "values"):
+                first = getattr(parts[0][0].layers[layer_index], name)
+                out = first.new_zeros(len(prompts), first.shape[1], width, first.shape[-1])  # (n, H, W, D)
+                for (cache, _, w), c in zip(parts, chunks):  # one copy of each chunk into place
+                    out[torch.tensor(c, device=self.device), :, width - w:] = getattr(cache.layers[layer_index], name)
+                pair.append(out)
+            kv.append(tuple(pair))
+        logits = torch.empty(len(prompts), parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=self.device)
+        for (_, lg, _), c in zip(parts, chunks):
+            logits[torch.tensor(c, device=self.device)] = lg
+        return kv, logits, width
 
     def _prefill_chunk(self, prompts: list[list[int]]):
-        """Run prompts left-padded together -> (their cache, (n,) next-token logits, width)."""
-        n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)  # (n, W)
-        real = torch.zeros(n, width, dtype=torch.bool, device=self.device)  # (n, W)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.as_tensor(p, device=self.device)
-            real[i, width - len(p):] = True
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (n, W)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        allowed = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        """Run prompts left-padded together -> (their cache, (n,) next-token logits, width).
+
+        With a shared prefix of P tokens (every prompt is longer), only the suffixes run, on a
+        cache holding the prefix: keys [prefix P | left-padded suffixes S]. Each row is then
+        gathered into the right-aligned layout [pad | prefix | suffix] the batch expects."""
+        n, P = len(prompts), self.prefix_len
+        suffixes = [p[P:] for p in prompts]
+        S = max(len(p) for p in suffixes)
+        ids = torch.zeros(n, S, dtype=torch.long, device=self.device)  # (n, S)
+        real = torch.zeros(n, S, dtype=torch.bool, device=self.device)  # (n, S)
+        for i, p in enumerate(suffixes):
+            ids[i, S - len(p):] = torch.as_tensor(p, device=self.device)
+            real[i, S - len(p):] = True
+        positions = P + (real.long().cumsum(-1) - 1).clamp(min=0)  # (n, S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=self.device).tril()
+        own = (causal[None] & real[:, None, :]) | torch.eye(S, dtype=torch.bool, device=self.device)[None]  # (n, S, S)
+        allowed = torch.cat([own.new_ones(n, S, P), own], dim=-1)  # (n, S, P + S): the prefix is seen by all
         cache = new_cache(self.model.config)
+        for layer, (keys, values) in zip(cache.layers, self.prefix):
+            layer.set(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1))
         hidden = self.decoder(input_ids=ids, attention_mask=additive_mask(allowed, self.model.dtype)[:, None],
                               position_ids=positions, cache=cache, use_cache=True).last_hidden_state[:, -1]  # (n, H)
-        return cache, self.lm_head(hidden), width
+        if P:  # row i's prefix moves from slots [0, P) to [S - s_i, S - s_i + P); its suffix stays
+            width = P + S
+            offset = torch.tensor([S - len(p) for p in suffixes], device=self.device)[:, None]  # (n, 1)
+            slots = torch.arange(width, device=self.device)[None]  # (1, W)
+            in_prefix = (slots >= offset) & (slots < offset + P)  # (n, W)
+            source = torch.where(in_prefix, slots - offset, slots)  # (n, W); pad slots read finite values
+            for layer in cache.layers:
+                index = source[:, None, :, None].expand(n, layer.keys.shape[1], width, layer.keys.shape[-1])
+                layer.set(layer.keys.gather(2, index), layer.values.gather(2, index))
+        return cache, self.lm_head(hidden), P + S
 
-    def rebuild(self, keep: list[int], new_cache_, new_width: int, new_rows: list[int], new_lengths: list[int],
+    def rebuild(self, keep: list[int], new_kv, new_width: int, new_rows: list[int], new_lengths: list[int],
                 new_last: torch.Tensor) -> None:
-        """Keep rows `keep` (indices into the live rows), add the prefilled new rows right-aligned
-        to slot L-1, and cut the slots no remaining row sees: one copy of every layer."""
+        """Keep rows `keep` (indices into the live rows), add the prefilled new rows (new_kv: per
+        layer (keys, values) (m, H, new_width, D), right-aligned) so that their prompts end at slot
+        L-1, and cut the slots no remaining row sees: every layer written once into a new buffer."""
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         starts = self.starts[keep_t]  # (k,)
         length = max(self.length, new_width)
@@ -111,22 +149,25 @@ class _Batch:
         new_starts = torch.tensor([length - n for n in new_lengths], dtype=torch.long, device=self.device)
         all_starts = torch.cat([starts + shift, new_starts])  # (k + m,)
         front = int(all_starts.min()) if all_starts.numel() else length  # slots before it are seen by no row
-        layers = self.cache.layers if self.cache is not None else [None] * len(new_cache_.layers)
-        for old, new in zip(layers, new_cache_.layers if new_cache_ is not None else [None] * len(layers)):
-            parts_k, parts_v = [], []
-            if old is not None and keep:
-                k, v = old.keys[keep_t], old.values[keep_t]  # (k, H, L, D)
-                parts_k.append(torch.nn.functional.pad(k, (0, 0, shift, 0))[:, :, front:])
-                parts_v.append(torch.nn.functional.pad(v, (0, 0, shift, 0))[:, :, front:])
-            if new is not None:
-                pad = length - new_width  # right-align: the prompts end at slot length - 1
-                parts_k.append(torch.nn.functional.pad(new.keys, (0, 0, pad, 0))[:, :, front:])
-                parts_v.append(torch.nn.functional.pad(new.values, (0, 0, pad, 0))[:, :, front:])
-            target = old if old is not None else new
-            target.set(torch.cat(parts_k), torch.cat(parts_v))
+        size = length - front
         if self.cache is None:
-            self.cache = new_cache_
-        self.length = length - front
+            self.cache = new_cache(self.model.config)
+        for index, layer in enumerate(self.cache.layers):
+            buffers = []
+            for j, name in enumerate(("keys", "values")):
+                old = getattr(layer, name) if keep and layer.is_initialized else None  # (b, H, L, D)
+                new = new_kv[index][j] if new_kv else None  # (m, H, new_width, D)
+                like = old if old is not None else new
+                buf = like.new_zeros(len(keep) + len(new_rows), like.shape[1], size + SLACK, like.shape[-1])
+                if old is not None:  # old slot i -> i + shift - front
+                    d = shift - front
+                    buf[: len(keep), :, max(d, 0): size] = old[keep_t][:, :, max(-d, 0):]
+                if new is not None:  # new slot i -> i + length - new_width - front
+                    e = length - new_width - front
+                    buf[len(keep):, :, max(e, 0): size] = new[:, :, max(-e, 0):]
+                buffers.append(buf)
+            layer.adopt(*buffers, size)
+        self.length = size
         self.starts = all_starts - front
         self.rows = [self.rows[j] for j in keep] + new_rows
         self.last = torch.cat([self.last[keep_t], new_last])
@@ -143,18 +184,32 @@ class _Batch:
         return next_tokens(self.lm_head(hidden), params, generator)
 
 
+def common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """The longest prefix every prompt shares, one token shorter than the shortest prompt (each
+    row's next-token logits must come from a token of its own)."""
+    first, limit = list(prompts[0]), min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return first[:n]
+
+
 @torch.inference_mode()
 def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                    eos: Sequence[int], params: SamplingParams | None = None, batch_size: int = 64,
-                   generator: torch.Generator | None = None) -> Iterator[tuple[int, list[int], str]]:
+                   generator: torch.Generator | None = None,
+                   share_prefix: bool = True) -> Iterator[tuple[int, list[int], str]]:
     """Decode every prompt (token ids); yield (prompt index, new tokens, "stop" | "length") as
     each finishes. Up to `batch_size` rows decode together; prompts join in the given order as
-    rows finish (longest first keeps the cache narrow: a joining prompt never widens it)."""
+    rows finish (longest first keeps the cache narrow: a joining prompt never widens it).
+    share_prefix: run the prompts' common prefix once (each row keeps at least its last token)."""
     if max_new_tokens < 1 or batch_size < 1:
         raise DraftsmithError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}: both must be >= 1")
     params = SamplingParams() if params is None else params
     eos_set = frozenset(int(t) for t in eos)
     batch, waiting = _Batch(model), list(range(len(prompts)))
+    if share_prefix and prompts:
+        batch.set_prefix(common_prefix(prompts))
     out: dict[int, list[int]] = {}
     done: list[bool] = []  # per live row
     while waiting or batch.rows:
@@ -165,11 +220,11 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, 
             joining = waiting[: batch_size - len(keep)]
             waiting = waiting[len(joining):]
             if joining:
-                cache, logits, width = batch.prefill([list(prompts[i]) for i in joining])
+                kv, logits, width = batch.prefill([list(prompts[i]) for i in joining])
                 first = next_tokens(logits, params, generator)  # (m,) the first new token of each
             else:
-                cache, width, first = None, 0, torch.zeros(0, dtype=torch.long, device=batch.device)
-            batch.rebuild(keep, cache, width, joining, [len(prompts[i]) for i in joining], first)
+                kv, width, first = None, 0, torch.zeros(0, dtype=torch.long, device=batch.device)
+            batch.rebuild(keep, kv, width, joining, [len(prompts[i]) for i in joining], first)
             done = [False] * len(batch.rows)
             for j, (i, tok) in enumerate(zip(joining, first.tolist()), start=len(keep)):
                 out[i] = [tok]

@@ -92,6 +92,12 @@ class BufferedLayer(DynamicLayer):
         self.length, self.is_initialized = length, True
         self._views()
 
+    def adopt(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor, length: int) -> None:
+        """Take over zero-padded buffers (B, H, capacity, D) whose first `length` slots are filled."""
+        self._keys, self._values = keys_buffer, values_buffer
+        self.length, self.is_initialized = length, True
+        self._views()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self._keys, self._values = self._keys[indices], self._values[indices]

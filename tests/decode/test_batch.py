@@ -64,6 +64,44 @@ def test_a_broken_mask_fails_the_greedy_check(model, monkeypatch):
     assert any(got[i] != hf_greedy(model, p, 12) for i, p in enumerate(ps))
 
 
+def chat_prompts(n: int, prefix_len: int = 9) -> list[list[int]]:
+    """Prompts that share a prefix (a chat template's system prompt), with ragged suffixes of
+    1..12 tokens, so rows join with the prefix at different offsets."""
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(6, VOCAB, (prefix_len,), generator=g).tolist()
+    lengths = torch.randint(1, 13, (n,), generator=g).tolist()
+    lengths[0] = 1  # one prompt is the prefix plus a single token of its own
+    return [prefix + torch.randint(6, VOCAB, (t,), generator=g).tolist() for t in lengths]
+
+
+@pytest.mark.parametrize("batch_size", [1, 5, 13])
+def test_shared_prefix_rows_are_hf_generate_on_each_prompt_alone(model, batch_size):
+    ps = chat_prompts(13)
+    assert len(batch.common_prefix(ps)) == 9
+    got = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=20, eos=[EOS], batch_size=batch_size)}
+    for i, p in enumerate(ps):
+        assert got[i] == hf_greedy(model, p, 20), i
+
+
+def test_common_prefix_leaves_every_row_a_token_of_its_own():
+    assert batch.common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == [1, 2]
+    assert batch.common_prefix([[1, 2, 3], [1, 5]]) == [1]
+    assert batch.common_prefix([[7], [7, 8]]) == []
+    assert batch.common_prefix([[4, 2, 3]]) == [4, 2]
+
+
+def test_a_prefix_left_in_place_fails_the_greedy_check(model, monkeypatch):
+    """Teeth: rows whose copied prefix is not moved next to their suffix no longer match HF."""
+    monkeypatch.setattr(torch.Tensor, "gather", lambda self, dim, index: self.clone())
+    ps = chat_prompts(6)
+    want = [hf_greedy(model, p, 12) for p in ps]
+    unshared = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=12, eos=[EOS], batch_size=6,
+                                                          share_prefix=False)}
+    assert all(unshared[i] == want[i] for i in range(len(ps)))  # the patch touches only the shared path
+    got = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=12, eos=[EOS], batch_size=6)}
+    assert any(got[i] != want[i] for i in range(len(ps)))
+
+
 def pit(model, ps, outs, params, seed: int) -> list[float]:
     """u = F(x) + U p(x) for every sampled token, the law from one forward over prompt + answer."""
     g = torch.Generator().manual_seed(seed)
