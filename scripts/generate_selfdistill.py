@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -299,10 +300,15 @@ def run(cfg: DictConfig) -> dict:
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
     tok_s = new_tokens / seconds if seconds > 0 else 0.0
-    counts["throughput"] = {"new_tokens": new_tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tok_s, 2),
-                            "backend": backend, "batch_size": int(cfg.batch_size)}  # this run, process 0
     print(f"selfdistill: process {state.process_index}/{state.num_processes}: {counts['generated']} answers, "
           f"{new_tokens} new tokens at {tok_s:.1f} tok/s", flush=True)
+    # This run over every process: all new tokens over the slowest process's time.
+    runs = gather_object([(new_tokens, seconds)]) if state.num_processes > 1 else [(new_tokens, seconds)]
+    total, slowest = sum(n for n, _ in runs), max(s for _, s in runs)
+    counts["throughput"] = {"new_tokens": total, "seconds": round(slowest, 3),
+                            "tokens_per_s": round(total / slowest, 2) if slowest > 0 else 0.0,
+                            "backend": backend, "batch_size": int(cfg.batch_size), "processes": state.num_processes,
+                            "threads_per_process": torch.get_num_threads()}
     state.wait_for_everyone()
     if state.is_main_process:
         if (out_dir / PARTS_DIR).is_dir():  # this run's parts, or an interrupted N-process run's
@@ -316,6 +322,7 @@ def run(cfg: DictConfig) -> dict:
               f"{state.num_processes} process(es), {counts['resumed']} resumed, {counts['truncated']} hit "
               f"max_new_tokens={cfg.max_new_tokens}); verifier {verifier.name} {verifier.fingerprint}", flush=True)
     state.wait_for_everyone()
+    # new_tokens / seconds / tokens_per_s: this process; counts["throughput"]: the whole run
     return {"output_dir": str(out_dir), **counts, "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_s": tok_s, "verifier": verifier.name, "fingerprint": verifier.fingerprint}
 

@@ -169,7 +169,10 @@ def test_two_processes_split_the_prompts_and_merge(model_dir, tmp_path):
     by_id = {r["id"]: r for r in read_records(tmp_path / "one")}
     two = read_records(out)
     assert len(two) == 7 and all(r == by_id[r["id"]] for r in two)
-    assert json.loads((out / "manifest.json").read_text())["counts"]["processes"] == 2
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert counts["processes"] == 2
+    # the run's throughput counts both processes' tokens (the 1-process run's, since the answers are equal)
+    assert counts["throughput"]["new_tokens"] == one["new_tokens"] and counts["throughput"]["processes"] == 2
     assert one["records"] == 7
 
 
@@ -193,3 +196,48 @@ def test_vllm_backend_without_vllm_is_a_one_line_error(model_dir, tmp_path, monk
         gen.run(make_cfg(model_dir, tmp_path, "backend=vllm"))
     with pytest.raises(DraftsmithError, match="backend=.tgi. is not known; valid: batched, transformers, vllm"):
         gen.run(make_cfg(model_dir, tmp_path / "x", "backend=tgi"))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_selfdistill", ROOT / "scripts" / "bench_selfdistill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_cfg(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("bench_selfdistill", overrides=[f"output_dir={tmp_path}", *overrides])
+
+
+def test_bench_runs_a_processes_case_under_accelerate_with_the_threads_split(tmp_path, monkeypatch):
+    """The bench's command per case (the generation itself is tested above): a `processes` case
+    goes through accelerate launch, one thread per process, and its tok/s is the manifest's."""
+    bench = load_bench()
+    seen = {}
+
+    def fake_run(cmd, env):
+        out = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        seen[out.name] = (cmd, env)
+        tokens = 400 if "accelerate" in cmd else 100
+        (out / "manifest.json").write_text(json.dumps({"counts": {"records": 4, "truncated": 0, "throughput": {
+            "new_tokens": tokens, "seconds": 10.0, "tokens_per_s": tokens / 10.0}}}))
+        return 10.0, 1.0
+
+    monkeypatch.setattr(bench, "run_measured", fake_run)
+    report = bench.run(bench_cfg(tmp_path, "cases=[hf-fp32-b16,batched-bf16-b128-2proc]", "threads=2"))
+    cmd, env = seen["batched-bf16-b128-2proc"]
+    assert cmd[:2] == ["accelerate", "launch"] and cmd[cmd.index("--num_processes") + 1] == "2"
+    assert env["ACCELERATE_USE_CPU"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert seen["hf-fp32-b16"][0][0] == sys.executable and seen["hf-fp32-b16"][1]["OMP_NUM_THREADS"] == "2"
+    assert report["cases"]["batched-bf16-b128-2proc"]["vs_baseline"] == pytest.approx(4.0)
+    assert "| batched-bf16-b128-2proc | 2 |" in (tmp_path / "bench_selfdistill.md").read_text()
+
+
+def test_bench_refuses_a_processes_key_naming_no_case(tmp_path):
+    bench = load_bench()
+    with pytest.raises(DraftsmithError, match="processes"):
+        bench.run(bench_cfg(tmp_path, "+processes.no-such-case=2"))
+    with pytest.raises(DraftsmithError, match="must be 1..threads"):
+        bench.run(bench_cfg(tmp_path, "processes.batched-bf16-b128-2proc=4", "threads=2"))
