@@ -4,6 +4,10 @@ measured in one run (each case a fresh `scripts/generate_selfdistill.py` process
     python scripts/bench_selfdistill.py                             # the cases in conf/bench_selfdistill.yaml
     python scripts/bench_selfdistill.py num_prompts=32 cases=[hf-fp32-b16,batched-bf16-b64]
 
+A case listed in `processes` runs under `accelerate launch` with that many CPU processes
+(conf/accelerate/cpu-2proc.yaml, ACCELERATE_USE_CPU=1), the `threads` split between them; its
+tok/s is every process's new tokens over the slowest process's time (the run's manifest).
+
 Writes output_dir/bench_selfdistill.{json,md} and bench_selfdistill.png (tok/s per case).
 """
 from __future__ import annotations
@@ -25,6 +29,10 @@ def run(cfg: DictConfig) -> dict:
     cases = {name: str(choose(cfg.table, name, "cases[]")).split() for name in cfg.cases}
     if cfg.baseline not in cases:
         raise DraftsmithError(f"baseline={cfg.baseline!r} is not one of cases ({', '.join(cases)}); name one of them")
+    for name, n in cfg.processes.items():
+        choose(cfg.table, name, "processes")  # a key that names no case would be ignored: refuse it
+        if int(n) < 1 or int(n) > int(cfg.threads):
+            raise DraftsmithError(f"processes.{name}={n}: must be 1..threads ({cfg.threads}), one thread each at least")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads)}
@@ -33,12 +41,19 @@ def run(cfg: DictConfig) -> dict:
     for name, overrides in cases.items():
         data_dir = out_dir / name
         shutil.rmtree(data_dir, ignore_errors=True)  # a fresh run, never a resume
-        cmd = [sys.executable, "scripts/generate_selfdistill.py", f"model={cfg.verifier}",
+        processes = int(cfg.processes.get(name, 1))
+        launcher, case_env = [sys.executable], env
+        if processes > 1:
+            launcher = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
+                        "--num_processes", str(processes), "--main_process_port", str(cfg.port)]
+            per_process = str(max(1, int(cfg.threads) // processes))
+            case_env = {**env, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": per_process, "MKL_NUM_THREADS": per_process}
+        cmd = [*launcher, "scripts/generate_selfdistill.py", f"model={cfg.verifier}",
                f"data@data.prompts={cfg.prompts}", f"num_prompts={cfg.num_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", f"output_dir={data_dir}", *overrides]
-        wall, rss = run_measured(cmd, env)
+        wall, rss = run_measured(cmd, case_env)
         counts = json.loads((data_dir / "manifest.json").read_text())["counts"]
-        report["cases"][name] = {"overrides": overrides, "wall_s": wall, "peak_rss_gb": rss,
+        report["cases"][name] = {"overrides": overrides, "processes": processes, "wall_s": wall, "peak_rss_gb": rss,
                                  "records": counts["records"], "truncated": counts["truncated"],
                                  **counts["throughput"]}
         print(f"bench_selfdistill: {name}: {counts['throughput']['tokens_per_s']:.1f} tok/s", flush=True)
@@ -62,10 +77,10 @@ def markdown(report: dict) -> str:
     lines = [(f"{report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
               f"{report['threads']} threads on {report['cpus']} CPUs, load {report['load_avg_1m_before']:.1f} before "
               f"/ {report['load_avg_1m_after']:.1f} after"), "",
-             f"| case | new tokens | s | tok/s | vs {report['baseline']} | peak RSS GB | hit max_new_tokens |",
-             "|---|---|---|---|---|---|---|"]
+             f"| case | processes | new tokens | s | tok/s | vs {report['baseline']} | peak RSS GB | hit max_new_tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, c in report["cases"].items():
-        lines.append(f"| {name} | {c['new_tokens']} | {c['seconds']:.0f} | {c['tokens_per_s']:.1f} | "
+        lines.append(f"| {name} | {c.get('processes', 1)} | {c['new_tokens']} | {c['seconds']:.0f} | {c['tokens_per_s']:.1f} | "
                      f"{c['vs_baseline']:.2f}x | {c['peak_rss_gb']:.2f} | {c['truncated']}/{c['records']} |")
     return "\n".join(lines)
 
