@@ -74,7 +74,7 @@ class _Batch:
         self.prefix_len = P
 
     def prefill(self, prompts: list[list[int]]):
-        """Run new prompts -> (their cache, right-aligned to the widest, (n,) next-token logits,
+        """Run new prompts -> (per layer (keys, values) right-aligned to the widest, (n,) next-token logits,
         width). Prompts of similar length are prefilled together (sorted, cut where padding would
         pass a quarter of a chunk), so a long prompt never pads many short ones: compute stays
         proportional to real tokens."""
@@ -89,13 +89,13 @@ class _Batch:
         parts = [self._prefill_chunk([prompts[i] for i in c]) for c in chunks]
         width = max(w for _, _, w in parts)
         kv = []  # per layer (keys, values), each (n, H, W, D): prompt order, right-aligned at the widest
-        for layer_index in range(len(parts[0][0].layers)):
+        for layer_index in range(len(parts[0][0])):
             pair = []
-            for name in ("keys", "values"):
-                first = getattr(parts[0][0].layers[layer_index], name)
+            for j in range(2):  # keys, values
+                first = parts[0][0][layer_index][j]
                 out = first.new_zeros(len(prompts), first.shape[1], width, first.shape[-1])  # (n, H, W, D)
-                for (cache, _, w), c in zip(parts, chunks):  # one copy of each chunk into place
-                    out[torch.tensor(c, device=self.device), :, width - w:] = getattr(cache.layers[layer_index], name)
+                for (chunk_kv, _, w), c in zip(parts, chunks):  # one copy of each chunk into place
+                    out[torch.tensor(c, device=self.device), :, width - w:] = chunk_kv[layer_index][j]
                 pair.append(out)
             kv.append(tuple(pair))
         logits = torch.empty(len(prompts), parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=self.device)
@@ -104,7 +104,8 @@ class _Batch:
         return kv, logits, width
 
     def _prefill_chunk(self, prompts: list[list[int]]):
-        """Run prompts left-padded together -> (their cache, (n,) next-token logits, width).
+        """Run prompts left-padded together -> (per layer (keys, values) (n, H, W, D), (n,)
+        next-token logits, width W).
 
         With a shared prefix of P tokens (every prompt is longer), only the suffixes run, on a
         cache holding the prefix: keys [prefix P | left-padded suffixes S]. Each row is then
@@ -126,16 +127,15 @@ class _Batch:
             layer.set(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1))
         hidden = self.decoder(input_ids=ids, attention_mask=additive_mask(allowed, self.model.dtype)[:, None],
                               position_ids=positions, cache=cache, use_cache=True).last_hidden_state[:, -1]  # (n, H)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]  # (n, H, P + S, D) each
         if P:  # row i's prefix moves from slots [0, P) to [S - s_i, S - s_i + P); its suffix stays
-            width = P + S
             offset = torch.tensor([S - len(p) for p in suffixes], device=self.device)[:, None]  # (n, 1)
-            slots = torch.arange(width, device=self.device)[None]  # (1, W)
+            slots = torch.arange(P + S, device=self.device)[None]  # (1, W)
             in_prefix = (slots >= offset) & (slots < offset + P)  # (n, W)
             source = torch.where(in_prefix, slots - offset, slots)  # (n, W); pad slots read finite values
-            for layer in cache.layers:
-                index = source[:, None, :, None].expand(n, layer.keys.shape[1], width, layer.keys.shape[-1])
-                layer.set(layer.keys.gather(2, index), layer.values.gather(2, index))
-        return cache, self.lm_head(hidden), P + S
+            index = source[:, None, :, None].expand(n, kv[0][0].shape[1], P + S, kv[0][0].shape[-1])
+            kv = [(keys.gather(2, index), values.gather(2, index)) for keys, values in kv]
+        return kv, self.lm_head(hidden), P + S
 
     def rebuild(self, keep: list[int], new_kv, new_width: int, new_rows: list[int], new_lengths: list[int],
                 new_last: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ class _Batch:
                 buf = like.new_zeros(len(keep) + len(new_rows), like.shape[1], size + SLACK, like.shape[-1])
                 if old is not None:  # old slot i -> i + shift - front
                     d = shift - front
-                    buf[: len(keep), :, max(d, 0): size] = old[keep_t][:, :, max(-d, 0):]
+                    buf[: len(keep), :, max(d, 0): size] = old[keep_t, :, max(-d, 0):]
                 if new is not None:  # new slot i -> i + length - new_width - front
                     e = length - new_width - front
                     buf[len(keep):, :, max(e, 0): size] = new[:, :, max(-e, 0):]
