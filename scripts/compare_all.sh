@@ -8,7 +8,8 @@
 #    STEPS_<method> steps (README: 200 / 100 / 48, the ~2 h the box had), a drafter snapshot at
 #    every quarter of them,
 # 3. learning curves from the snapshots (scripts/learning_curve.py),
-# 4. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
+# 4. EAGLE-3's tree sized for this machine (scripts/tune_decode.py; TUNE=0 keeps eagle-dynamic as it is),
+# 5. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
 #    lookahead and the HF baselines (HF assisted generation with the draft, at both schedules),
 #    plain decoding in fp32 and bf16 for the fastest-plain ratio, then the trained drafters on
 #    MT-bench at T=0.7 (scripts/compare.py; speedups against plain decoding in the same run).
@@ -22,6 +23,8 @@ STEPS_draft_fkl=${STEPS_draft_fkl:-48}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
 EVAL_PROMPTS=${EVAL_PROMPTS:-6}
 CURVE_PROMPTS=${CURVE_PROMPTS:-5}
+TUNE=${TUNE:-1}
+TUNE_PROMPTS=${TUNE_PROMPTS:-8}
 OUT=${OUT:-outputs/cmp}
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
@@ -49,9 +52,17 @@ done
 if [ ${#curves[@]} -gt 0 ]; then
     python scripts/learning_curve.py "${curves[@]}" num_prompts="$CURVE_PROMPTS" output_dir="$OUT/learning-curve"
 fi
+tuned=()  # the compare runs' eagle3 entry with the tuned tree's overrides
+if [ "$TUNE" = 1 ] && [[ " $METHODS " == *" eagle3 "* ]]; then
+    python scripts/tune_decode.py drafter="$OUT/eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
+    if [ -f "$OUT/tune-eagle3/best.txt" ]; then
+        extra=$(printf ",'%s'" $(cat "$OUT/tune-eagle3/best.txt"))
+        tuned=("methods.eagle3=['method=eagle','drafter=$OUT/eagle3/final','decode=eagle-dynamic'$extra]")
+    fi
+fi
 only=$(echo "$METHODS prompt-lookup lookahead" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
-    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl output_dir="$OUT/compare"
+    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
-    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07"
+    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"
