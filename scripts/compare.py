@@ -2,6 +2,7 @@
 
     python scripts/compare.py                                            # conf/compare.yaml
     python scripts/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
+    python scripts/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
     python scripts/compare.py num_prompts=4 temperatures='[0.0]' \
         "methods={fkl: ['method=draft', 'drafter=outputs/draft-smollm2-135m-draft-fkl/final', 'decode=draft-chain']}"
 
@@ -28,10 +29,22 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 
 
+def prompts_for(cfg: DictConfig, dataset: str):
+    """num_prompts for this dataset: one count (or null = all) for every dataset, or a map
+    {dataset: count}, e.g. the issue-#13 table's {mtbench: 80, humaneval: 40}."""
+    if not isinstance(cfg.num_prompts, DictConfig):
+        return cfg.num_prompts
+    if dataset not in cfg.num_prompts:
+        raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} has no count for dataset {dataset!r}; "
+                              f"add {dataset}: <count> (or null for all) to the map")
+    return cfg.num_prompts[dataset]
+
+
 def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool,
                 dtype: str | None = None):
+    n = prompts_for(cfg, dataset)
     return evaluate_config([*model_overrides(cfg.model), f"model.dtype={dtype or cfg.dtype}", f"data={dataset}",
-                            f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
+                            f"data.num_prompts={'null' if n is None else n}", f"max_new_tokens={cfg.max_new_tokens}",
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
                             f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
@@ -83,6 +96,8 @@ def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[di
 
 
 def run(cfg: DictConfig) -> dict:
+    for dataset in cfg.datasets:  # a num_prompts map missing a dataset is refused before any work
+        prompts_for(cfg, dataset)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, fastest = fastest_plain(cfg, out_dir)
@@ -141,7 +156,9 @@ def markdown(rows: list[dict], cfg, fastest: dict[str, dict]) -> str:
     vs = " (vs fastest plain)" if fastest else ""
     head = " | ".join(f"{d} T={t:g} tau / speedup{vs}" for d, t in cells)
     plain = ", ".join(f"{d}: {f['dtype']} {f['tokens_per_s']:.1f} tok/s" for d, f in fastest.items())
-    lines = [f"{cfg.model.name} ({cfg.dtype}), {cfg.num_prompts} prompts per dataset, {cfg.max_new_tokens} new tokens; "
+    counts = (", ".join(f"{d} {prompts_for(cfg, d) or 'all'}" for d in cfg.datasets) + " prompts"
+              if isinstance(cfg.num_prompts, DictConfig) else f"{cfg.num_prompts or 'all'} prompts per dataset")
+    lines = [f"{cfg.model.name} ({cfg.dtype}), {counts}, {cfg.max_new_tokens} new tokens; "
              f"speedup = tokens/s vs plain {cfg.dtype} decoding interleaved in the same cell"
              + (f"; in brackets vs the fastest plain decoding timed alone ({plain})" if fastest else ""), "",
              f"| method | {head} | greedy identical |", "|---|" + "---|" * (len(cells) + 1)]

@@ -60,3 +60,21 @@ def test_catalog_follows_cmp_dir(tmp_path):
     assert {"medusa1", "eagle1", "eagle3", "draft-fkl", "draft-untrained"} <= set(trained)
     assert all(path.startswith(f"{tmp_path}/") for path in trained.values()), trained
     assert cfg.assistant == f"{tmp_path}/draft-fkl/final"
+
+
+def test_num_prompts_per_dataset(tmp_path):
+    """num_prompts='{mtbench: 80, humaneval: 40}' (issue #13's table) gives each dataset its own
+    count; a map without a dataset is refused before any cell runs."""
+    import pytest
+
+    from draftsmith.models.errors import DraftsmithError
+
+    cfg = compose_config("compare", ["num_prompts={mtbench: 80, humaneval: null}", f"output_dir={tmp_path / 'c'}"])
+    cells = {d: compare.cell_config(cfg, ["method=vanilla", "drafter=null"], d, 0.0, tmp_path, hf=False)
+             for d in ("mtbench", "humaneval")}
+    assert cells["mtbench"].data.num_prompts == 80 and cells["humaneval"].data.num_prompts is None
+    assert "mtbench 80, humaneval all prompts" in compare.markdown([], cfg, {})
+    bad = compose_config("compare", ["num_prompts={mtbench: 80}", f"output_dir={tmp_path / 'bad'}"])
+    with pytest.raises(DraftsmithError, match="num_prompts=.*has no count for dataset 'humaneval'; add humaneval"):
+        run(bad)
+    assert not (tmp_path / "bad").exists()
