@@ -27,8 +27,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.decode import evaluate
+from draftsmith.decode import evaluate, sampling
 from draftsmith.decode.engine import generate
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_prompts
@@ -83,6 +85,8 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     if int(cfg.num_samples) < 1:
         raise DraftsmithError(f"num_samples={cfg.num_samples}: measure at least one sample per prompt (num_samples=1)")
+    acceptance = cfg.method.get("acceptance", "auto")
+    sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     candidates = candidate_list(cfg)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +114,8 @@ def run(cfg: DictConfig) -> dict:
             for name in order:
                 gen = torch.Generator(device=model.device).manual_seed(seed)
                 outs[name] = generate(model, ids, proposer=runs[name], max_new_tokens=cfg.max_new_tokens,
-                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=gen)
+                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=gen,
+                                      acceptance=acceptance if runs[name] is not None else "auto")
             for name, out in outs.items():
                 t = totals[name]
                 t["tokens"] += len(out.tokens)
@@ -141,12 +146,12 @@ def run(cfg: DictConfig) -> dict:
     report = {"model": verifier.name, "dtype": str(model.dtype), "method": cfg.method.name, "drafter": cfg.drafter,
               "decode": cfg.decode.name, "data": cfg.data.name, "num_prompts": len(prompts),
               "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-              "threads": torch.get_num_threads(), "load_avg_1m_before": load_before,
+              "lossy": acceptance in sampling.LOSSY_RULES, "threads": torch.get_num_threads(), "load_avg_1m_before": load_before,
               "load_avg_1m_after": os.getloadavg()[0], "rows": rows, "best": best}
-    (out_dir / "tune_decode.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "best.txt").write_text(best["overrides"] + "\n")  # for shell scripts: scripts/compare_all.sh
+    write_atomic_text(out_dir / "tune_decode.json", json.dumps(report, indent=2))
+    write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # for shell scripts: scripts/compare_all.sh
     table = markdown(report)
-    (out_dir / "tune_decode.md").write_text(table + "\n")
+    write_atomic_text(out_dir / "tune_decode.md", table + "\n")
     plot(report, out_dir)
     print(table)
     print(f"fastest on this machine: {best['candidate']} (tau {best['tau']:.2f}, {best['speedup']:.2f}x plain); "
@@ -159,7 +164,8 @@ def markdown(report: dict) -> str:
     head = (f"{report['model']} ({report['dtype']}, {report['threads']} threads, load "
             f"{report['load_avg_1m_before']:.1f} -> {report['load_avg_1m_after']:.1f}), method={report['method']}, "
             f"decode={report['decode']}, data={report['data']} x{report['num_prompts']}, T={report['temperature']}, "
-            f"max_new_tokens={report['max_new_tokens']}; speedup against plain decoding interleaved in this run")
+            f"max_new_tokens={report['max_new_tokens']}; speedup against plain decoding interleaved in this run"
+            + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
     lines = ["| candidate | tau | tokens/s | speedup | nodes / step | propose ms | verify ms | greedy identical / ties / unexplained |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
