@@ -28,6 +28,7 @@ TUNE_PROMPTS=${TUNE_PROMPTS:-8}
 OUT=${OUT:-outputs/cmp}
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
+case $TUNE in 0|1) ;; *) echo "compare_all.sh: TUNE=$TUNE; valid: 1 (size EAGLE-3's tree first) or 0" >&2; exit 2 ;; esac
 for m in $METHODS; do  # refuse an unknown method before any work
     case $m in eagle1|eagle3|medusa1|draft-fkl) ;;
         *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;

@@ -108,3 +108,13 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
                                                                     "TUNE": "0"})
     assert "scripts/tune_decode.py" not in [c[0] for c in untuned]
     assert not any(a.startswith("methods.eagle3=") for c in untuned for a in c)
+
+
+def test_compare_all_refuses_an_unknown_tune_setting():
+    import subprocess
+
+    from pathlib import Path
+
+    proc = subprocess.run(["bash", "scripts/compare_all.sh"], env={"TUNE": "yes", "PATH": "/usr/bin:/bin"},
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "TUNE=yes; valid: 1" in proc.stderr and proc.stdout == ""
