@@ -65,3 +65,20 @@ def tiny_llama(vocab_size: int = 128, dtype: torch.dtype = torch.float64, seed: 
     cfg._attn_implementation = attn_implementation
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     return model
+
+
+def save_tiny_medusa(folder, num_heads: int = 4):
+    """Medusa heads over tiny_llama's fp32 weights (the same seed as the tiny_model_dir fixture),
+    their first layers randomised so the heads disagree with the verifier now and then; saved as a
+    drafter checkpoint folder."""
+    from draftsmith.models.checkpoint import save_drafter
+    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.models.verifier import fingerprint
+
+    model = tiny_llama(dtype=torch.float32)
+    cfg = MedusaConfig(hidden_size=32, vocab_size=128, num_heads=num_heads)
+    heads = MedusaHeads(cfg, model.get_output_embeddings())
+    torch.manual_seed(1)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
+    return save_drafter(folder, "medusa", heads, cfg, verifier_fingerprint=fingerprint(model), verifier_name="tiny")

@@ -11,19 +11,12 @@ from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import fingerprint
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from tests.tiny import tiny_llama
+from tests.tiny import save_tiny_medusa, tiny_llama
 
 
 @pytest.fixture()
-def drafter(tiny_model_dir, tmp_path):
-    model = tiny_llama(dtype=torch.float32)  # the same weights as tiny_model_dir (same seed)
-    cfg = MedusaConfig(hidden_size=32, vocab_size=128, num_heads=4)
-    heads = MedusaHeads(cfg, model.get_output_embeddings())
-    torch.manual_seed(1)
-    for block in heads.blocks:
-        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
-    return save_drafter(tmp_path / "drafter", "medusa", heads, cfg, verifier_fingerprint=fingerprint(model),
-                        verifier_name="tiny")
+def drafter(tmp_path):
+    return save_tiny_medusa(tmp_path / "drafter")
 
 
 def _cfg(tiny_model_dir, out, *extra):

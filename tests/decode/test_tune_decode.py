@@ -7,28 +7,18 @@ import torch
 
 from draftsmith.decode import sampling
 from draftsmith.decode.tree import path_to
-from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.medusa import MedusaConfig, MedusaHeads
-from draftsmith.models.verifier import fingerprint
 from scripts.tune_decode import candidate_list, run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
-from tests.tiny import tiny_llama
+from tests.tiny import save_tiny_medusa
 
 CANDIDATES = "candidates=[{paths: [[0]]}, {paths: [[0], [0, 0], [1]]}, {paths: [[0], [0, 0], [0, 0, 0]]}]"
 
 
 @pytest.fixture()
 def medusa_dir(tmp_path):
-    model = tiny_llama(dtype=torch.float32)  # the weights of tiny_model_dir (same seed)
-    cfg = MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)
-    heads = MedusaHeads(cfg, model.get_output_embeddings())
-    torch.manual_seed(1)
-    for block in heads.blocks:
-        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
-    return save_drafter(tmp_path / "medusa", "medusa", heads, cfg, verifier_fingerprint=fingerprint(model),
-                        verifier_name="tiny")
+    return save_tiny_medusa(tmp_path / "medusa", num_heads=3)
 
 
 def _cfg(tiny_model_dir, medusa_dir, out, *extra):
