@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.decode import evaluate, sampling
-from draftsmith.decode.engine import generate
+from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
@@ -101,8 +101,8 @@ def run(cfg: DictConfig) -> dict:
         proposers[name] = proposer
     runs = {"vanilla": None, **proposers}
     prompts = load_prompts(cfg.data)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "emitted": 0, "nodes": 0, "propose_s": 0.0,
-                     "verify_s": 0.0, "identical": 0, "ties": 0, "unexplained": 0} for name in runs}
+    outputs = {name: [] for name in runs}
+    checks = {name: {"identical": 0, "ties": 0, "unexplained": 0} for name in runs}
     load_before = os.getloadavg()[0]
     for i, prompt in enumerate(tqdm(prompts, desc=f"tune {cfg.decode.name}")):
         ids = evaluate.prompt_ids(tokenizer, prompt["messages"]).to(model.device)
@@ -117,28 +117,19 @@ def run(cfg: DictConfig) -> dict:
                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=gen,
                                       acceptance=acceptance if runs[name] is not None else "auto")
             for name, out in outs.items():
-                t = totals[name]
-                t["tokens"] += len(out.tokens)
-                t["seconds"] += out.total_s
-                t["steps"] += len(out.steps)
-                t["emitted"] += sum(st.emitted for st in out.steps)
-                t["nodes"] += sum(st.num_nodes for st in out.steps)
-                t["propose_s"] += sum(st.propose_s for st in out.steps)
-                t["verify_s"] += sum(st.verify_s for st in out.steps)
+                outputs[name].append(out)
                 if cfg.temperature == 0:  # greedy: every candidate must reproduce plain decoding
                     check = evaluate.compare_greedy(model, ids[0].tolist(), out.tokens, outs["vanilla"].tokens,
                                                     cfg.tie_tolerance, cfg.tie_ulps)
-                    key = "identical" if check["identical"] else "ties" if check.get("tie") else "unexplained"
-                    t[key] += 1
-    plain_rate = totals["vanilla"]["tokens"] / totals["vanilla"]["seconds"]
+                    checks[name]["identical" if check["identical"] else "ties" if check.get("tie") else "unexplained"] += 1
+    stats = {name: summarize(outs) for name, outs in outputs.items()}  # the evaluator's aggregation
     rows = []
-    for name, t in totals.items():
-        steps = max(t["steps"], 1)
-        row = {"candidate": name, "tau": t["emitted"] / steps, "tokens_per_s": t["tokens"] / t["seconds"],
-               "speedup": t["tokens"] / t["seconds"] / plain_rate, "mean_nodes": t["nodes"] / steps,
-               "mean_propose_ms": 1000 * t["propose_s"] / steps, "mean_verify_ms": 1000 * t["verify_s"] / steps,
-               "num_tokens": t["tokens"], "greedy_identical": t["identical"], "greedy_ties": t["ties"],
-               "greedy_unexplained": t["unexplained"]}
+    for name, st in stats.items():
+        row = {"candidate": name, "tau": st["tau"], "tokens_per_s": st["tokens_per_s"],
+               "speedup": st["tokens_per_s"] / stats["vanilla"]["tokens_per_s"], "mean_nodes": st["mean_nodes"],
+               "mean_propose_ms": 1000 * st["mean_propose_s"], "mean_verify_ms": 1000 * st["mean_verify_s"],
+               "num_tokens": st["num_tokens"], "greedy_identical": checks[name]["identical"],
+               "greedy_ties": checks[name]["ties"], "greedy_unexplained": checks[name]["unexplained"]}
         if name != "vanilla":
             row["overrides"] = overrides(candidates[names.index(name)])
         rows.append(row)
@@ -169,7 +160,7 @@ def markdown(report: dict) -> str:
     lines = ["| candidate | tau | tokens/s | speedup | nodes / step | propose ms | verify ms | greedy identical / ties / unexplained |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        mark = "**" if r is report["best"] or r["candidate"] == report["best"]["candidate"] else ""
+        mark = "**" if r["candidate"] == report["best"]["candidate"] else ""
         lines.append(f"| {mark}{r['candidate']}{mark} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
                      f"| {r['mean_nodes']:.1f} | {r['mean_propose_ms']:.1f} | {r['mean_verify_ms']:.1f} "
                      f"| {r['greedy_identical']} / {r['greedy_ties']} / {r['greedy_unexplained']} |")
