@@ -19,7 +19,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from filelock import FileLock
 from safetensors import safe_open
+from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.models import attention
@@ -129,29 +131,39 @@ def cache_root(model_cfg=None) -> Path:
 
 
 def _convert_gguf(model_cfg, target: Path) -> None:
-    """Dequantize a packaged GGUF into an HF safetensors folder at `target` (atomic)."""
-    pkg = package_dir(model_cfg.gguf_package, model_cfg.gguf_pypi)
-    gguf = pkg / model_cfg.gguf_file
-    if not gguf.is_file():
-        found = sorted(p.name for p in pkg.glob("*.gguf"))
-        raise DraftsmithError(f"model.gguf_file={model_cfg.gguf_file!r} not found in {pkg}; present: {found}")
-    print(f"draftsmith: converting {gguf.name} to safetensors in {target} (once; later loads take seconds)",
-          flush=True)
-    t0 = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a quantized model: GGUF weights are already dequantized here.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "draftsmith_source.json").write_text(json.dumps(
-        {"gguf_package": model_cfg.gguf_package, "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size}))
-    os.replace(tmp, target)
-    print(f"draftsmith: converted in {time.time() - t0:.0f}s", flush=True)
+    """Dequantize a packaged GGUF into an HF safetensors folder at `target` (atomic).
+
+    Every process of a launch may get here at once on a fresh box: a file lock lets one convert
+    while the others wait and then read its folder. The weights are written with safetensors
+    directly, because transformers' save_pretrained writes them only on rank 0 once
+    torch.distributed is up, and the lock holder may be any rank."""
+    with FileLock(str(target.with_name(target.name + ".lock"))):
+        if (target / "config.json").is_file():
+            return  # converted by another process while this one waited
+        pkg = package_dir(model_cfg.gguf_package, model_cfg.gguf_pypi)
+        gguf = pkg / model_cfg.gguf_file
+        if not gguf.is_file():
+            found = sorted(p.name for p in pkg.glob("*.gguf"))
+            raise DraftsmithError(f"model.gguf_file={model_cfg.gguf_file!r} not found in {pkg}; present: {found}")
+        print(f"draftsmith: converting {gguf.name} to safetensors in {target} (once; later loads take seconds)",
+              flush=True)
+        t0 = time.time()
+        tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
+        if hasattr(model.config, "quantization_config"):  # GGUF weights are already dequantized here
+            del model.config.quantization_config
+        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps(
+            {"gguf_package": model_cfg.gguf_package, "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size}))
+        shutil.rmtree(target, ignore_errors=True)  # a folder without config.json: an interrupted older version
+        os.replace(tmp, target)
+        print(f"draftsmith: converted in {time.time() - t0:.0f}s", flush=True)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
