@@ -7,7 +7,8 @@
 Every prompt runs with the chosen method AND with plain decoding through the same engine,
 interleaved (the order alternates per prompt), with the same seeds; HF `generate` (plain,
 prompt lookup, assisted when `hf.assistant` names a draft model, at the draft's own schedule
-and at HF's defaults) runs on the same prompts.
+and at HF's defaults, and with `hf.static_cache=true` its StaticCache + torch.compile path) runs
+on the same prompts.
 Writes output_dir/{results.json, outputs.jsonl, results.md, acceptance_hist.png,
 accepted_per_depth.png}.
 """
@@ -151,6 +152,35 @@ def hf_generate(model, input_ids, cfg, generator_seed: int, **extra) -> tuple[li
     return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - t0
 
 
+class StaticCompiled:
+    """HF ``generate``'s static-shape fast path: a StaticCache of ``capacity`` slots (one for the
+    whole prompt set, reset before each call) and its decode step compiled with torch.compile.
+
+    transformers compiles only on CUDA/XPU-like devices unless its CompileConfig is told
+    otherwise, so it is told to: this times the path on the CPU too. ``warm_up`` compiles once,
+    outside the timed calls (its seconds are reported as compile_s); the decode step then has
+    one shape for every prompt, so it never recompiles."""
+
+    def __init__(self, model, capacity: int):
+        from transformers import CompileConfig, StaticCache
+
+        self.capacity = capacity
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        self.compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")  # no CUDA graphs here
+        self.compile_config._compile_all_devices = True  # transformers' switch for compiling on any device
+        self.compile_s = 0.0
+
+    def kwargs(self) -> dict:
+        with torch.inference_mode():  # its tensors were made in generate's inference mode
+            self.cache.reset()
+        return {"cache": self.cache, "compile_config": self.compile_config}
+
+    def warm_up(self, model, input_ids, cfg) -> None:
+        t0 = time.perf_counter()
+        hf_generate(model, input_ids, OmegaConf.create({"max_new_tokens": 3, "temperature": 0.0}), 0, **self.kwargs())
+        self.compile_s = time.perf_counter() - t0
+
+
 def token_latencies(output) -> list[float]:
     """Per emitted token: its step's wall time divided by the tokens that step emitted."""
     lat = [output.prefill_s]  # the first token comes from the prefill
@@ -214,6 +244,12 @@ def run(cfg: DictConfig) -> dict:
         hf_runs.update(assisted_runs(cfg))
     if not cfg.hf.enabled:
         hf_runs = {}
+    static = None
+    if cfg.hf.static_cache:  # one cache for every prompt: the longest prompt + max_new_tokens
+        longest = max(prompt_ids(tokenizer, p["messages"]).shape[1] for p in prompts)
+        static = StaticCompiled(model, longest + cfg.max_new_tokens)
+        static.warm_up(model, prompt_ids(tokenizer, prompts[0]["messages"]).to(model.device), cfg)
+        hf_runs["hf_generate_static"] = {}
     schedules = {name: assisted_schedule(kwargs) for name, kwargs in hf_runs.items() if "assistant_model" in kwargs}
 
     outputs = {name: [] for name in runs}
@@ -244,6 +280,8 @@ def run(cfg: DictConfig) -> dict:
                                           "tokens": out.tokens, "text": tokenizer.decode(out.tokens),
                                           "tau": out.tau, "lossy": out.lossy, "stop_reason": out.stop_reason}) + "\n")
             for name, kwargs in hf_runs.items():
+                if name == "hf_generate_static":
+                    kwargs = static.kwargs()
                 tokens, seconds = hf_generate(model, ids, cfg, seed, **kwargs)
                 hf_time[name][0] += seconds
                 hf_time[name][1] += len(tokens)
@@ -275,6 +313,8 @@ def run(cfg: DictConfig) -> dict:
                                    "num_tokens": n, "total_s": seconds}
         if name in schedules:
             report["methods"][name]["assistant_schedule"] = schedules[name]
+        if name == "hf_generate_static":
+            report["methods"][name].update(compile_s=static.compile_s, cache_slots=static.capacity)
     for name, checks in identity.items():
         if checks:
             same = sum(c["identical"] for c in checks)

@@ -78,3 +78,20 @@ def test_num_prompts_per_dataset(tmp_path):
     with pytest.raises(DraftsmithError, match="num_prompts=.*has no count for dataset 'humaneval'; add humaneval"):
         run(bad)
     assert not (tmp_path / "bad").exists()
+
+
+def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tiny_model_dir, tmp_path):
+    cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
+        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
+        "assistant=null", f"output_dir={tmp_path}", "plain_dtypes=[float32]", "plain_static=true", "only=[]"])
+    result = run(cfg)
+    plain = {r["method"]: r for r in result["rows"] if r["method"].startswith("plain-")}
+    assert set(plain) == {"plain-float32", "plain-hf-static-float32"}
+    static = plain["plain-hf-static-float32"]
+    assert static["tokens_per_s"] > 0 and static["unexplained_divergences"] == 0  # greedy, checked against plain
+    fastest = max(plain.values(), key=lambda r: r["tokens_per_s"])
+    label = {"plain-float32": "float32", "plain-hf-static-float32": "float32, HF static cache + compile"}
+    saved = json.loads((tmp_path / "compare.json").read_text())["fastest_plain"]
+    assert saved["tiny"] == {"dtype": label[fastest["method"]], "tokens_per_s": fastest["tokens_per_s"]}
+    assert f"tiny: {label[fastest['method']]} " in (tmp_path / "compare.md").read_text()
+    assert fastest["vs_fastest_plain"] == 1.0

@@ -127,3 +127,21 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
     with pytest.raises(DraftsmithError, match="needs a .* decode preset"):
         run(_cfg(tiny_model_dir, tmp_path / "eval2", f"method={method}", "decode=medusa-small",
                  *extra[2:]))
+
+
+def test_hf_static_cache_row_is_compiled_once_and_greedy_identical(tiny_model_dir, tmp_path):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.static_cache=true"))
+    static = report["methods"]["hf_generate_static"]
+    assert static["greedy_identity_rate"] == 1.0 or static["greedy_divergences_unexplained"] == 0, static
+    assert static["num_tokens"] > 0 and static["compile_s"] > 0
+    assert counters["stats"]["unique_graphs"] >= 1  # transformers really compiled the decode step on the CPU
+    frames = counters["stats"]["unique_graphs"]
+    longest = max(len(json.loads(l)["prompt_ids"]) for l in (tmp_path / "eval" / "outputs.jsonl").read_text().splitlines()
+                  if json.loads(l)["method"] == "vanilla")
+    assert static["cache_slots"] == longest + 12  # one cache shape for every prompt: the longest + max_new_tokens
+    again = run(_cfg(tiny_model_dir, tmp_path / "again", "method=vanilla", "drafter=null", "hf.static_cache=true"))
+    assert again["methods"]["hf_generate_static"]["num_tokens"] == static["num_tokens"]
+    assert counters["stats"]["unique_graphs"] == frames  # a second evaluation compiles nothing new
