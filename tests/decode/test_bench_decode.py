@@ -1,0 +1,28 @@
+"""scripts/bench_decode.py on a tiny verifier and Medusa checkpoint: T(k), the evaluate rows per
+dtype, and which plain decoder counts as the fastest."""
+import json
+
+from scripts import bench_decode
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from tests.tiny import save_tiny_medusa
+
+
+def test_bench_decode_with_hf_static_path(tiny_model_dir, tmp_path):
+    drafter = save_tiny_medusa(tmp_path / "drafter")
+    cfg = compose_config("bench_decode", tiny_model_overrides(tiny_model_dir) + [
+        f"drafter={drafter}", "decode=medusa-small", "data=tiny", "data.num_prompts=2", "max_new_tokens=8",
+        "dtypes=[float32]", "ks=[1,4]", "repeats=1", "cache_len=16", "hf.static_cache=true",
+        f"output_dir={tmp_path / 'bench'}"])
+    report = bench_decode.run(cfg)
+    entry = report["by_dtype"]["float32"]
+    assert set(entry["T_ratio"]) == {"1", "4"} and entry["method"] == "medusa" and entry["tau"] >= 1.0
+    methods = entry["methods"]
+    assert {"vanilla", "medusa", "hf_generate", "hf_prompt_lookup", "hf_generate_static"} == set(methods)
+    plain = {name: methods[name]["tokens_per_s"] for name in ("vanilla", "hf_generate_static")}
+    assert report["fastest_plain_tokens_per_s"] == max(plain.values())  # HF eager generate is not a contender
+    assert max(methods[name]["speedup_vs_fastest_plain"] for name in plain) == 1.0
+    saved = json.loads((tmp_path / "bench" / "bench_decode.json").read_text())
+    assert saved["fastest_plain_tokens_per_s"] == report["fastest_plain_tokens_per_s"]
+    assert "hf_generate_static" in (tmp_path / "bench" / "bench_decode.md").read_text()
+    assert (tmp_path / "bench" / "verify_cost.png").is_file()
