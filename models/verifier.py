@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import torch
 from filelock import FileLock
 from safetensors import safe_open
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.models import attention
@@ -130,6 +130,17 @@ def cache_root(model_cfg=None) -> Path:
     return Path(root).expanduser()
 
 
+def _unique_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor once, under its first name: a tied lm_head is
+    stored as the embedding, as save_pretrained stores it (offline features read that name)."""
+    out, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor.contiguous()
+    return out
+
+
 def _convert_gguf(model_cfg, target: Path) -> None:
     """Dequantize a packaged GGUF into an HF safetensors folder at `target` (atomic).
 
@@ -155,7 +166,7 @@ def _convert_gguf(model_cfg, target: Path) -> None:
         tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
+        save_file(_unique_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

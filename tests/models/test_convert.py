@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tests.tiny import tiny_llama, tiny_tokenizer
@@ -76,3 +77,6 @@ def test_two_ranks_convert_once_and_both_load_the_weights(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "draftsmith_source.json"} <= \
         {p.name for p in target.iterdir()}
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []  # no half-written folder left
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:  # the tied lm_head stored once, as
+        names = set(f.keys())                                                 # the embedding (offline features read it)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
