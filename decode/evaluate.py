@@ -244,13 +244,15 @@ def run(cfg: DictConfig) -> dict:
         hf_runs.update(assisted_runs(cfg))
     if not cfg.hf.enabled:
         hf_runs = {}
-    static = None
     if cfg.hf.static_cache:  # one cache for every prompt: the longest prompt + max_new_tokens
         longest = max(prompt_ids(tokenizer, p["messages"]).shape[1] for p in prompts)
         static = StaticCompiled(model, longest + cfg.max_new_tokens)
         static.warm_up(model, prompt_ids(tokenizer, prompts[0]["messages"]).to(model.device), cfg)
-        hf_runs["hf_generate_static"] = {}
-    schedules = {name: assisted_schedule(kwargs) for name, kwargs in hf_runs.items() if "assistant_model" in kwargs}
+        hf_runs["hf_generate_static"] = static.kwargs  # a callable: a freshly reset cache for every call
+    hf_extra = {name: {"assistant_schedule": assisted_schedule(kwargs)} for name, kwargs in hf_runs.items()
+                if isinstance(kwargs, dict) and "assistant_model" in kwargs}  # reported beside each HF row
+    if cfg.hf.static_cache:
+        hf_extra["hf_generate_static"] = {"compile_s": static.compile_s, "cache_slots": static.capacity}
 
     outputs = {name: [] for name in runs}
     latencies = {name: [] for name in runs}
@@ -279,10 +281,8 @@ def run(cfg: DictConfig) -> dict:
                                           "sample": s, "seed": seed, "prompt_ids": ids[0].tolist(),
                                           "tokens": out.tokens, "text": tokenizer.decode(out.tokens),
                                           "tau": out.tau, "lossy": out.lossy, "stop_reason": out.stop_reason}) + "\n")
-            for name, kwargs in hf_runs.items():
-                if name == "hf_generate_static":
-                    kwargs = static.kwargs()
-                tokens, seconds = hf_generate(model, ids, cfg, seed, **kwargs)
+            for name, kwargs in hf_runs.items():  # fixed kwargs, or a callable that makes them per call
+                tokens, seconds = hf_generate(model, ids, cfg, seed, **(kwargs() if callable(kwargs) else kwargs))
                 hf_time[name][0] += seconds
                 hf_time[name][1] += len(tokens)
                 results[name] = tokens
@@ -311,10 +311,7 @@ def run(cfg: DictConfig) -> dict:
     for name, (seconds, n) in hf_time.items():
         report["methods"][name] = {"tokens_per_s": n / seconds, "speedup": (n / seconds) / base["tokens_per_s"],
                                    "num_tokens": n, "total_s": seconds}
-        if name in schedules:
-            report["methods"][name]["assistant_schedule"] = schedules[name]
-        if name == "hf_generate_static":
-            report["methods"][name].update(compile_s=static.compile_s, cache_slots=static.capacity)
+        report["methods"][name].update(hf_extra.get(name, {}))
     for name, checks in identity.items():
         if checks:
             same = sum(c["identical"] for c in checks)

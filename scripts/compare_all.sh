@@ -11,8 +11,9 @@
 # 4. EAGLE-3's tree sized for this machine (scripts/tune_decode.py; TUNE=0 keeps eagle-dynamic as it is),
 # 5. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
 #    lookahead and the HF baselines (HF assisted generation with the draft, at both schedules),
-#    plain decoding in fp32 and bf16 for the fastest-plain ratio, then the trained drafters on
-#    MT-bench at T=0.7 (scripts/compare.py; speedups against plain decoding in the same run).
+#    plain decoding in fp32 and bf16 (and HF's static cache + compile) for the fastest-plain ratio,
+#    then the trained drafters on MT-bench at T=0.7 (scripts/compare.py; speedups against plain
+#    decoding in the same run).
 # Extra arguments are Hydra overrides for every training command.
 set -euo pipefail
 NUM_PROMPTS=${NUM_PROMPTS:-1024}
@@ -63,7 +64,7 @@ if [ "$TUNE" = 1 ] && [[ " $METHODS " == *" eagle3 "* ]]; then
 fi
 only=$(echo "$METHODS prompt-lookup lookahead" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
-    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl output_dir="$OUT/compare" "${tuned[@]}"
+    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
     num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"
