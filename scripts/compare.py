@@ -108,6 +108,10 @@ def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[di
 def run(cfg: DictConfig) -> dict:
     for dataset in cfg.datasets:  # a num_prompts map missing a dataset is refused before any work
         prompts_for(cfg, dataset)
+    extra = sorted(set(cfg.num_prompts) - set(cfg.datasets)) if isinstance(cfg.num_prompts, DictConfig) else []
+    if extra:  # ... and so is one that counts a dataset this run does not evaluate
+        raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} counts {extra}, not in datasets="
+                              f"{list(cfg.datasets)}; drop {extra} from the map or add it to datasets")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, fastest = fastest_plain(cfg, out_dir)

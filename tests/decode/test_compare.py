@@ -64,7 +64,8 @@ def test_catalog_follows_cmp_dir(tmp_path):
 
 def test_num_prompts_per_dataset(tmp_path):
     """num_prompts='{mtbench: 80, humaneval: 40}' (issue #13's table) gives each dataset its own
-    count; a map without a dataset is refused before any cell runs."""
+    count; a map without a dataset, or with one the run does not evaluate, is refused before any
+    cell runs."""
     import pytest
 
     from draftsmith.models.errors import DraftsmithError
@@ -78,6 +79,11 @@ def test_num_prompts_per_dataset(tmp_path):
     with pytest.raises(DraftsmithError, match="num_prompts=.*has no count for dataset 'humaneval'; add humaneval"):
         run(bad)
     assert not (tmp_path / "bad").exists()
+    unused = compose_config("compare", ["num_prompts={mtbench: 80, humaneval: 40}", "datasets=[mtbench]",
+                                        f"output_dir={tmp_path / 'unused'}"])
+    with pytest.raises(DraftsmithError, match=r"counts \['humaneval'\], not in datasets=\['mtbench'\]; drop"):
+        run(unused)
+    assert not (tmp_path / "unused").exists()
 
 
 def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tiny_model_dir, tmp_path):
