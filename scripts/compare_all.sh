@@ -2,6 +2,7 @@
 # The long recipes behind README "Results", on the offline default (SmolLM2-135M, 2 CPU cores):
 #   bash scripts/compare_all.sh                           # EAGLE-3, Medusa-1 and a draft, as in the README table
 #   METHODS=eagle3 STEPS_eagle3=600 bash scripts/compare_all.sh
+#   EVAL_PROMPTS=6 bash scripts/compare_all.sh            # a quick comparison: 6 prompts per dataset
 #   NUM_PROMPTS=20000 STEPS_eagle3=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
 # 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped),
 # 2. train each method on data=sharegpt-mix (those answers + ShareGPT text) with trainer=cpu-long,
@@ -22,7 +23,8 @@ STEPS_eagle1=${STEPS_eagle1:-200}
 STEPS_medusa1=${STEPS_medusa1:-100}
 STEPS_draft_fkl=${STEPS_draft_fkl:-48}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
-EVAL_PROMPTS=${EVAL_PROMPTS:-6}
+EVAL_PROMPTS=${EVAL_PROMPTS:-'{mtbench: 80, humaneval: 40}'}   # the greedy comparison: issue #13's table
+T07_PROMPTS=${T07_PROMPTS:-6}   # MT-bench prompts at T=0.7
 CURVE_PROMPTS=${CURVE_PROMPTS:-5}
 TUNE=${TUNE:-1}
 TUNE_PROMPTS=${TUNE_PROMPTS:-8}
@@ -67,4 +69,4 @@ python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,human
     num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
-    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"
+    num_prompts="$T07_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"

@@ -90,6 +90,7 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
                                      "scripts/tune_decode.py", "scripts/compare.py", "scripts/compare.py"]
     assert f"drafter={tmp_path}/eagle3/final" in calls[3]
     assert "plain_static=true" in calls[4]  # HF's static-shape path competes for the fastest plain decoding
+    assert "num_prompts={mtbench: 80, humaneval: 40}" in calls[4] and "num_prompts=6" in calls[5]  # issue #13's sets
     for call in calls[4:]:
         check(call, "compare_all.sh")
         cfg = compose_config("compare", [a for a in call[1:]])
