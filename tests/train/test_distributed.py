@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.models.checkpoint import load_drafter
+from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
 from tests.tiny import tiny_llama, tiny_tokenizer
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def _launch(tiny_model_dir, out, env_extra):
-    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "--main_process_port", "29533",
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
+           "--main_process_port", str(free_port()),
            "train/medusa.py", *tiny_model_overrides(tiny_model_dir), "data=tiny", "trainer=debug", "logger=none",
            "method.num_heads=2", f"output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
@@ -104,7 +106,7 @@ def test_two_processes_train_the_same_heads_as_one(one_process_heads, tied_model
     reference, one_dir = one_process_heads
     out = tmp_path / "out"
     cmd = ["accelerate", "launch", "--config_file", f"conf/accelerate/{launch_config}", "--main_process_port",
-           "29534", "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={out}"]
+           str(free_port()), "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     proc = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1", **env_extra}, capture_output=True,
                           text=True, timeout=600)
@@ -139,7 +141,7 @@ def test_a_launch_that_would_drop_deepspeed_is_refused(tied_model_dir, tmp_path)
     """ACCELERATE_USE_CPU=1 (right for the DDP config) makes accelerate drop DeepSpeed from a
     ZeRO-3 launch and train with DDP: the trainer stops in one line saying so."""
     cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero3.yaml", "--main_process_port",
-           "29540", "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={tmp_path}"]
+           str(free_port()), "train/medusa.py", *tiny_model_overrides(tied_model_dir), *EQUIV, f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -153,7 +155,7 @@ def test_fsdp_shards_the_frozen_verifier_and_keeps_its_outputs(tmp_path, tied):
     """FSDP2 on 2 gloo processes: each holds part of the verifier, hidden states are unchanged.
     (accelerate's FSDP launch needs GPUs; this runs the same shard_fsdp under torchrun.)"""
     out = tmp_path / "fsdp.json"
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", "29535", "-m", "tests.train.fsdp_worker",
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "tests.train.fsdp_worker",
            str(out), tied]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
@@ -219,7 +221,7 @@ def test_eagle_and_draft_trainers_match_one_process_too(tiny_model_dir, tmp_path
     outs = {}
     for name, launcher, env in [("one", ["python"], {}),
                                 ("two", ["accelerate", "launch", "--config_file", f"conf/accelerate/{launch_config}",
-                                         "--main_process_port", "29538"], env_extra)]:
+                                         "--main_process_port", str(free_port())], env_extra)]:
         out = tmp_path / name
         cmd = [*launcher, script, *tiny_model_overrides(tiny_model_dir), "data=tiny", "trainer=debug", "logger=none",
                "trainer.batch_size=4", "trainer.split_batches=true", "trainer.max_steps=4", *extra,
@@ -237,8 +239,8 @@ def test_deepspeed_bf16_trains(tiny_model_dir, tmp_path):
     """DeepSpeed bf16 holds the trained module in bf16 and accelerate's autocast is off under
     DeepSpeed: the trainers cast their fp32 verifier features to the module's dtype."""
     cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero2.yaml", "--main_process_port",
-           "29539", "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV[:-1], "trainer.max_steps=2",
-           "trainer.precision=bf16", f"output_dir={tmp_path / 'out'}"]
+           str(free_port()), "train/medusa.py", *tiny_model_overrides(tiny_model_dir), *EQUIV[:-1],
+           "trainer.max_steps=2", "trainer.precision=bf16", f"output_dir={tmp_path / 'out'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -254,9 +256,9 @@ def test_medusa2_two_processes_train_the_same_backbone_and_heads_as_one(tiny_mod
     """1 process, DDP and ZeRO-2 on 2 processes end with the same merged verifier and heads."""
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     runs = {"one": ["python"], "ddp": ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
-                                       "--main_process_port", "29535"],
+                                       "--main_process_port", str(free_port())],
             "zero2": ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc-zero2.yaml",
-                      "--main_process_port", "29536"]}
+                      "--main_process_port", str(free_port())]}
     weights = {}
     for name, launcher in runs.items():
         out = tmp_path / name

@@ -13,6 +13,7 @@ from draftsmith.train.core.features import FeatureDataset, collate_features, rea
 from draftsmith.train.medusa import medusa_loss
 from draftsmith.train.medusa import run as train
 from scripts.prepare_features import run as prepare
+from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 
@@ -116,7 +117,8 @@ def test_two_processes_write_the_same_features(features, tiny_model_dir, tmp_pat
     one, _, _ = features
     out = tmp_path / "two"
     root = Path(__file__).resolve().parents[2]
-    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "--main_process_port", "29537",
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
+           "--main_process_port", str(free_port()),
            "scripts/prepare_features.py", *tiny_model_overrides(tiny_model_dir), "data=tiny", "dtype=float32",
            "shard_size=4", "batch_size=3", f"output_dir={out}"]
     done = subprocess.run(cmd, cwd=root, env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},

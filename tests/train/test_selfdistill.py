@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import DataError, load_conversations
 from draftsmith.train.core.data import check_data_verifier, tokenize_conversations
+from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +156,8 @@ def test_two_processes_split_the_prompts_and_merge(model_dir, tmp_path):
     file, process 0 merges; greedy answers equal a 1-process run's, prompt for prompt."""
     one = gen.run(make_cfg(model_dir, tmp_path / "one"))
     out = tmp_path / "two"
-    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "--main_process_port", "29536",
+    cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml",
+           "--main_process_port", str(free_port()),
            str(SCRIPT), f"model.path={model_dir}", "model.name=tiny", "model.source=hf", "model.dtype=float64",
            "data@data.prompts=tiny", "num_prompts=7", "max_new_tokens=8", "batch_size=3", f"output_dir={out}",
            f"hydra.run.dir={tmp_path / 'hydra'}"]
