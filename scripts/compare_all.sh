@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The long recipes behind README "Results", on the offline default (SmolLM2-135M, 2 CPU cores):
 #   bash scripts/compare_all.sh                           # EAGLE-3, Medusa-1 and a draft, as in the README table
-#   METHODS=eagle3 STEPS_eagle3=600 bash scripts/compare_all.sh
+#   METHODS=eagle3 STEPS_eagle3=600 CONTINUE_eagle3= bash scripts/compare_all.sh   # one 600-step EAGLE-3 run
 #   EVAL_PROMPTS=6 bash scripts/compare_all.sh            # a quick comparison: 6 prompts per dataset
 #   NUM_PROMPTS=20000 STEPS_eagle3=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
 # 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped),
 # 2. train each method on data=sharegpt-mix (those answers + ShareGPT text) with trainer=cpu-long,
 #    STEPS_<method> steps (README: 200 / 100 / 48, the ~2 h the box had), a drafter snapshot at
-#    every quarter of them,
+#    every quarter of them; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
+#    "steps:data preset", lr 5e-4 and a new batch order, into OUT/eagle3-cont, eagle3-cont2, ...),
+#    and its last stage is the eagle3 row of both comparisons,
 # 3. learning curves from the snapshots (scripts/learning_curve.py),
 # 4. EAGLE-3's tree sized for this machine (scripts/tune_decode.py; TUNE=0 keeps eagle-dynamic as it is),
 # 5. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
@@ -23,6 +25,8 @@ STEPS_eagle1=${STEPS_eagle1:-200}
 STEPS_medusa1=${STEPS_medusa1:-100}
 STEPS_draft_fkl=${STEPS_draft_fkl:-48}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
+CONTINUE_SET=${CONTINUE_eagle3+set}
+CONTINUE_eagle3=${CONTINUE_eagle3-200:sharegpt-mix 260:sharegpt-mix-full}   # README: 1.65M, then ~2.9M tokens
 EVAL_PROMPTS=${EVAL_PROMPTS:-'{mtbench: 80, humaneval: 40}'}   # the greedy comparison: issue #13's table
 T07_PROMPTS=${T07_PROMPTS:-6}   # MT-bench prompts at T=0.7
 CURVE_PROMPTS=${CURVE_PROMPTS:-5}
@@ -37,6 +41,15 @@ for m in $METHODS; do  # refuse an unknown method before any work
         *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;
     esac
 done
+for stage in $CONTINUE_eagle3; do
+    case $stage in [1-9]*:?*) [[ ${stage%%:*} =~ ^[0-9]+$ ]] && continue ;; esac
+    echo "compare_all.sh: CONTINUE_eagle3 has '$stage'; give space-separated steps:data stages, e.g. '200:sharegpt-mix 260:sharegpt-mix-full' ('' = none)" >&2
+    exit 2
+done
+if [ -n "$CONTINUE_SET" ] && [ -n "$CONTINUE_eagle3" ] && [[ " $METHODS " != *" eagle3 "* ]]; then
+    echo "compare_all.sh: CONTINUE_eagle3 continues EAGLE-3 but METHODS='$METHODS' does not train it; add eagle3 or set CONTINUE_eagle3=''" >&2
+    exit 2
+fi
 python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
 curves=()
 for m in $METHODS; do
@@ -46,22 +59,43 @@ for m in $METHODS; do
     run="data=sharegpt-mix trainer=cpu-long model.dtype=bfloat16 trainer.max_steps=$steps trainer.eval_every=$every
          trainer.save_every=$every trainer.snapshot_every=$every"
     case $m in
-        eagle1|eagle3) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
+        eagle1) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
+        eagle3) python train/eagle.py $run method="$m" method.noise=0 output_dir="$OUT/$m" "$@" ;;
         medusa1) python train/medusa.py $run method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
         draft-fkl) python train/draft.py $run method=draft-fkl method.student.num_layers=4 trainer.lr=3e-4 \
                        output_dir="$OUT/$m" "$@" ;;
     esac
     case $m in eagle1) ;; draft-fkl) curves+=("runs.draft=$OUT/$m") ;; *) curves+=("runs.$m=$OUT/$m") ;; esac
 done
+eagle3="$OUT/eagle3"  # the drafter both comparisons use: the last EAGLE-3 stage
+stage_no=0
+if [[ " $METHODS " == *" eagle3 "* ]]; then
+    for stage in $CONTINUE_eagle3; do
+        stage_no=$((stage_no + 1))
+        steps=${stage%%:*}
+        every=$(( steps / 4 > 0 ? steps / 4 : 1 ))
+        dir="$OUT/eagle3-cont"
+        if [ $stage_no -gt 1 ]; then dir="$dir$stage_no"; fi
+        python train/eagle.py data="${stage#*:}" trainer=cpu-long model.dtype=bfloat16 trainer.max_steps="$steps" \
+            trainer.eval_every=$every trainer.save_every=$every trainer.snapshot_every=$every method=eagle3 \
+            method.noise=0 trainer.init_from="$eagle3/final" trainer.lr=5e-4 seed=$stage_no output_dir="$dir" "$@"
+        eagle3=$dir
+    done
+fi
 if [ ${#curves[@]} -gt 0 ]; then
     python scripts/learning_curve.py "${curves[@]}" num_prompts="$CURVE_PROMPTS" output_dir="$OUT/learning-curve"
 fi
-tuned=()  # the compare runs' eagle3 entry with the tuned tree's overrides
-if [ "$TUNE" = 1 ] && [[ " $METHODS " == *" eagle3 "* ]]; then
-    python scripts/tune_decode.py drafter="$OUT/eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
-    if [ -f "$OUT/tune-eagle3/best.txt" ]; then
-        extra=$(printf ",'%s'" $(cat "$OUT/tune-eagle3/best.txt"))
-        tuned=("methods.eagle3=['method=eagle','drafter=$OUT/eagle3/final','decode=eagle-dynamic'$extra]")
+tuned=()  # the compare runs' eagle3 entry: the last stage's drafter, with the tuned tree's overrides
+if [[ " $METHODS " == *" eagle3 "* ]]; then
+    extra=""
+    if [ "$TUNE" = 1 ]; then
+        python scripts/tune_decode.py drafter="$eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
+        if [ -f "$OUT/tune-eagle3/best.txt" ]; then
+            extra=$(printf ",'%s'" $(cat "$OUT/tune-eagle3/best.txt"))
+        fi
+    fi
+    if [ "$eagle3" != "$OUT/eagle3" ] || [ -n "$extra" ]; then
+        tuned=("methods.eagle3=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra]")
     fi
 fi
 only=$(echo "$METHODS prompt-lookup lookahead" | tr ' ' ',')

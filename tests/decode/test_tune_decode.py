@@ -79,27 +79,61 @@ def test_the_default_grid_is_eagle2s_tree_and_bad_grids_are_refused(tiny_model_d
 
 
 def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
-    """scripts/compare_all.sh runs tune_decode.py after training EAGLE-3 and hands its best.txt
-    to the eagle3 entry of both compare.py runs; each recorded command composes."""
+    """scripts/compare_all.sh trains EAGLE-3, continues it in warm-started stages (README
+    "Results"), runs tune_decode.py on the last stage and hands that drafter with its best.txt to
+    the eagle3 entry of both compare.py runs; each recorded command composes."""
     from tests.test_documented_commands import check, recorded_python_calls
 
     (tmp_path / "tune-eagle3").mkdir()
     (tmp_path / "tune-eagle3" / "best.txt").write_text("decode.depth=6 decode.top_k=8 decode.total_tokens=16\n")
     calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3"})
-    assert [c[0] for c in calls] == ["scripts/generate_selfdistill.py", "train/eagle.py", "scripts/learning_curve.py",
-                                     "scripts/tune_decode.py", "scripts/compare.py", "scripts/compare.py"]
-    assert f"drafter={tmp_path}/eagle3/final" in calls[3]
-    assert "plain_static=true" in calls[4]  # HF's static-shape path competes for the fastest plain decoding
-    assert "num_prompts={mtbench: 80, humaneval: 40}" in calls[4] and "num_prompts=6" in calls[5]  # issue #13's sets
-    for call in calls[4:]:
+    assert [c[0] for c in calls] == ["scripts/generate_selfdistill.py", "train/eagle.py", "train/eagle.py",
+                                     "train/eagle.py", "scripts/learning_curve.py", "scripts/tune_decode.py",
+                                     "scripts/compare.py", "scripts/compare.py"]
+    base, cont, cont2 = calls[1:4]
+    assert "method.noise=0" in base and f"output_dir={tmp_path}/eagle3" in base
+    for call, data, steps, init, seed, out in ((cont, "sharegpt-mix", 200, "eagle3", 1, "eagle3-cont"),
+                                               (cont2, "sharegpt-mix-full", 260, "eagle3-cont", 2, "eagle3-cont2")):
+        check(call, "compare_all.sh")
+        cfg = compose_config("eagle", call[1:])
+        assert (cfg.data.name, cfg.trainer.max_steps, cfg.trainer.lr, cfg.seed, cfg.method.noise) == (data, steps, 5e-4, seed, 0)
+        assert cfg.trainer.init_from == f"{tmp_path}/{init}/final" and cfg.output_dir == f"{tmp_path}/{out}"
+        assert cfg.trainer.snapshot_every == steps // 4
+    assert f"drafter={tmp_path}/eagle3-cont2/final" in calls[5]
+    assert "plain_static=true" in calls[6]  # HF's static-shape path competes for the fastest plain decoding
+    assert "num_prompts={mtbench: 80, humaneval: 40}" in calls[6] and "num_prompts=6" in calls[7]  # issue #13's sets
+    for call in calls[6:]:
         check(call, "compare_all.sh")
         cfg = compose_config("compare", [a for a in call[1:]])
-        assert list(cfg.methods.eagle3) == ["method=eagle", f"drafter={tmp_path}/eagle3/final", "decode=eagle-dynamic",
-                                            "decode.depth=6", "decode.top_k=8", "decode.total_tokens=16"]
+        assert list(cfg.methods.eagle3) == ["method=eagle", f"drafter={tmp_path}/eagle3-cont2/final",
+                                            "decode=eagle-dynamic", "decode.depth=6", "decode.top_k=8",
+                                            "decode.total_tokens=16"]
     untuned = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
-                                                                    "TUNE": "0"})
+                                                                    "TUNE": "0", "CONTINUE_eagle3": ""})
+    assert [c[0] for c in untuned].count("train/eagle.py") == 1
     assert "scripts/tune_decode.py" not in [c[0] for c in untuned]
     assert not any(a.startswith("methods.eagle3=") for c in untuned for a in c)
+    one_stage = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
+                                                                      "TUNE": "0", "CONTINUE_eagle3": "50:mix"})
+    assert f"methods.eagle3=['method=eagle','drafter={tmp_path}/eagle3-cont/final','decode=eagle-dynamic']" in one_stage[-1]
+    no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1"})
+    assert [c[0] for c in no_eagle].count("train/eagle.py") == 0
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CONTINUE_eagle3": "200"}, "CONTINUE_eagle3 has '200'; give space-separated steps:data stages"),
+    ({"CONTINUE_eagle3": "x:sharegpt-mix"}, "CONTINUE_eagle3 has 'x:sharegpt-mix'"),
+    ({"CONTINUE_eagle3": "100:", "METHODS": "eagle3"}, "CONTINUE_eagle3 has '100:'"),
+    ({"CONTINUE_eagle3": "100:mix", "METHODS": "medusa1"}, "METHODS='medusa1' does not train it; add eagle3"),
+])
+def test_compare_all_refuses_a_bad_continuation(env, message):
+    import subprocess
+
+    from pathlib import Path
+
+    proc = subprocess.run(["bash", "scripts/compare_all.sh"], env={**env, "PATH": "/usr/bin:/bin"},
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
 
 
 def test_compare_all_refuses_an_unknown_tune_setting():
