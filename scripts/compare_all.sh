@@ -26,7 +26,7 @@ STEPS_medusa1=${STEPS_medusa1:-100}
 STEPS_draft_fkl=${STEPS_draft_fkl:-48}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
 CONTINUE_SET=${CONTINUE_eagle3+set}
-CONTINUE_eagle3=${CONTINUE_eagle3-200:sharegpt-mix 260:sharegpt-mix-full}   # README: 1.65M, then ~2.9M tokens
+CONTINUE_eagle3=${CONTINUE_eagle3-200:sharegpt-mix 260:sharegpt-mix-full}   # README: 1.65M, then 2.76M tokens in all
 EVAL_PROMPTS=${EVAL_PROMPTS:-'{mtbench: 80, humaneval: 40}'}   # the greedy comparison: issue #13's table
 T07_PROMPTS=${T07_PROMPTS:-6}   # MT-bench prompts at T=0.7
 CURVE_PROMPTS=${CURVE_PROMPTS:-5}
