@@ -46,18 +46,22 @@ for stage in $CONTINUE_eagle3; do
     echo "compare_all.sh: CONTINUE_eagle3 has '$stage'; give space-separated steps:data stages, e.g. '200:sharegpt-mix 260:sharegpt-mix-full' ('' = none)" >&2
     exit 2
 done
-if [ -n "$CONTINUE_SET" ] && [ -n "$CONTINUE_eagle3" ] && [[ " $METHODS " != *" eagle3 "* ]]; then
+case " $METHODS " in *" eagle3 "*) with_eagle3=1 ;; *) with_eagle3=0 ;; esac
+if [ -n "$CONTINUE_SET" ] && [ -n "$CONTINUE_eagle3" ] && [ $with_eagle3 = 0 ]; then
     echo "compare_all.sh: CONTINUE_eagle3 continues EAGLE-3 but METHODS='$METHODS' does not train it; add eagle3 or set CONTINUE_eagle3=''" >&2
     exit 2
 fi
+recipe() {  # recipe STEPS DATA: the long recipes' training overrides, a snapshot every quarter
+    local every=$(( $1 / 4 > 0 ? $1 / 4 : 1 ))
+    echo "data=$2 trainer=cpu-long model.dtype=bfloat16 trainer.max_steps=$1 trainer.eval_every=$every" \
+         "trainer.save_every=$every trainer.snapshot_every=$every"
+}
 python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
 curves=()
 for m in $METHODS; do
     var="STEPS_${m//-/_}"
     steps=${!var}
-    every=$(( steps / 4 > 0 ? steps / 4 : 1 ))
-    run="data=sharegpt-mix trainer=cpu-long model.dtype=bfloat16 trainer.max_steps=$steps trainer.eval_every=$every
-         trainer.save_every=$every trainer.snapshot_every=$every"
+    run=$(recipe "$steps" sharegpt-mix)
     case $m in
         eagle1) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
         eagle3) python train/eagle.py $run method="$m" method.noise=0 output_dir="$OUT/$m" "$@" ;;
@@ -69,16 +73,13 @@ for m in $METHODS; do
 done
 eagle3="$OUT/eagle3"  # the drafter both comparisons use: the last EAGLE-3 stage
 stage_no=0
-if [[ " $METHODS " == *" eagle3 "* ]]; then
+if [ $with_eagle3 = 1 ]; then
     for stage in $CONTINUE_eagle3; do
         stage_no=$((stage_no + 1))
-        steps=${stage%%:*}
-        every=$(( steps / 4 > 0 ? steps / 4 : 1 ))
         dir="$OUT/eagle3-cont"
         if [ $stage_no -gt 1 ]; then dir="$dir$stage_no"; fi
-        python train/eagle.py data="${stage#*:}" trainer=cpu-long model.dtype=bfloat16 trainer.max_steps="$steps" \
-            trainer.eval_every=$every trainer.save_every=$every trainer.snapshot_every=$every method=eagle3 \
-            method.noise=0 trainer.init_from="$eagle3/final" trainer.lr=5e-4 seed=$stage_no output_dir="$dir" "$@"
+        python train/eagle.py $(recipe "${stage%%:*}" "${stage#*:}") method=eagle3 method.noise=0 \
+            trainer.init_from="$eagle3/final" trainer.lr=5e-4 seed=$stage_no output_dir="$dir" "$@"
         eagle3=$dir
     done
 fi
@@ -86,7 +87,7 @@ if [ ${#curves[@]} -gt 0 ]; then
     python scripts/learning_curve.py "${curves[@]}" num_prompts="$CURVE_PROMPTS" output_dir="$OUT/learning-curve"
 fi
 tuned=()  # the compare runs' eagle3 entry: the last stage's drafter, with the tuned tree's overrides
-if [[ " $METHODS " == *" eagle3 "* ]]; then
+if [ $with_eagle3 = 1 ]; then
     extra=""
     if [ "$TUNE" = 1 ]; then
         python scripts/tune_decode.py drafter="$eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
