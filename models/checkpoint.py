@@ -103,7 +103,9 @@ def save_drafter(out_dir: str | Path, kind: str, module: torch.nn.Module | None,
         from draftsmith.models.eagle import llama_layer_config
 
         layer_config = llama_layer_config(config)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.") if state else "float32"
+    # the weights' dtype: EAGLE-3's first tensors are its int64 vocabulary maps (d2t / t2d)
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    dtype = str(floats[0]).removeprefix("torch.") if floats else "float32"
     spec = {**engine_config(kind, config, layer_config, "vllm", dtype),
             "draftsmith": {"kind": kind, "config": dataclasses.asdict(config)}}
 

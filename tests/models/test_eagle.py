@@ -1,6 +1,7 @@
 """models/eagle.py: shapes, the verifier-family layer, checkpoints, and the training loss
 (train/eagle.py) on tiny models, including that the unrolled training-time test computes exactly
 what autoregressive drafting computes."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -98,6 +99,8 @@ def test_checkpoint_round_trip_keeps_d2t(tmp_path):
     assert loaded.target_ids.tolist() == list(range(100, 116))
     assert loaded.d2t.tolist() == [100] * 16  # stored as the engines' offsets: target = i + d2t[i]
     assert loaded.t2d.sum() == 16 and loaded.t2d[100:116].all()
+    # the engines read the weights' dtype from config.json, not the int64 vocabulary maps'
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["torch_dtype"] == "float64"
     x, f = torch.randn(1, 3, H), torch.randn(1, 3, 3 * H)
     loaded_out = loaded(x, loaded.input_features(None, f))
     drafter = drafter.float()
