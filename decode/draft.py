@@ -244,7 +244,7 @@ class DraftModelProposer(Proposer):
         self.cached += len(kept)
         self.fed = 0
         if self.length_schedule == "heuristic":
-            if len(path) - 1 == self.drafted_depth:
+            if len(path) - 1 >= self.drafted_depth:  # deeper: a prompt-lookup graft (decode/lookup.py) went on
                 self.length = min(self.max_tokens, self.length + 2)
             else:
                 self.length = max(self.min_tokens, self.length - 1)

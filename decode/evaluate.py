@@ -234,6 +234,10 @@ def run(cfg: DictConfig) -> dict:
     verifier = load_verifier(cfg.model)
     model, tokenizer = verifier.model, verifier.tokenizer
     proposer, drafter_meta = build_proposer(cfg, verifier)
+    if cfg.temperature > 0 and getattr(proposer, "name", "") == "draft+prompt_lookup":
+        raise DraftsmithError(f"decode.lookup_tokens={cfg.decode.lookup_tokens} with a draft model at temperature="
+                              f"{cfg.temperature}: its drafts are sampled and the graft would not run; set "
+                              f"decode.lookup_tokens=0 or temperature=0")
     lossy = acceptance == "typical"
     method = cfg.method.name + (" (LOSSY typical acceptance)" if lossy else "")
     prompts = load_prompts(cfg.data)
@@ -302,6 +306,7 @@ def run(cfg: DictConfig) -> dict:
               "data": cfg.data.name, "num_prompts": len(prompts), "num_samples": cfg.num_samples,
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
               "top_k": cfg.top_k, "decode_tree": cfg.decode.name if proposer is not None else None,
+              "proposer": proposer.name if proposer is not None else None,  # e.g. eagle+prompt_lookup
               "drafter": cfg.drafter if proposer is not None else None, "drafter_meta": drafter_meta,
               "threads": torch.get_num_threads(), "lossy": lossy, "methods": {}}
     for name in runs:

@@ -42,8 +42,20 @@ def build_trie(
     the trie node holding paths[k][j]. Two paths share a node exactly when they share the
     prefix up to it, so siblings carry distinct tokens and equal contexts are verified once.
     """
-    tokens, parents = [int(root)], [-1]
-    children: list[dict[int, int]] = [{}]
+    return graft([int(root)], [-1], paths)
+
+
+def graft(
+    tokens: Sequence[int], parents: Sequence[int], paths: Sequence[Sequence[int]]
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """``build_trie`` onto an existing tree: tokens (n,) / parents (n,) in topological order,
+    siblings distinct (every proposer's tree). A path follows the existing nodes while its
+    tokens match and continues with new nodes appended after them, so the first n nodes keep
+    their indices and the result is again topological with distinct siblings."""
+    tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+    children: list[dict[int, int]] = [{} for _ in tokens]
+    for v in range(1, len(tokens)):
+        children[parents[v]][tokens[v]] = v
     nodes: list[list[int]] = []
     for path in paths:
         u, here = 0, []
@@ -135,6 +147,69 @@ class PromptLookupProposer(Proposer):
         )
         tokens, parents, _ = build_trie(root, conts)
         return _deterministic_tree(tokens, parents, self.device)
+
+
+class PromptLookupGraft(Proposer):
+    """A drafter's tree with prompt lookup's continuation grafted on, verified in ONE forward.
+
+    The drafter (``inner``) proposes its tree; the last max_ngram..min_ngram tokens are looked
+    up in prompt + output and the up to num_tokens tokens after the most recent match are
+    grafted onto that tree (``graft``): while the drafter proposed the same tokens the
+    continuation shares its nodes, from the first disagreement on it hangs new ones. A trained
+    drafter predicts the next few tokens; a match copies a long span of the context (code,
+    quoted text, names), at depths the drafter's tree does not reach and with no drafter
+    forward. decode.lookup_tokens > 0 on an EAGLE or Medusa preset builds this.
+
+    Lossless at any temperature when the drafter's tree is deterministic (EAGLE, Medusa; a
+    draft model when greedy): every node's children are then distinct deterministic tokens,
+    which greedy verification and recursive rejection sampling with q = delta accept exactly. A
+    draft model samples its drafts at temperature > 0 (q != delta beside a grafted q = delta
+    child would need a mixed rule): such a call decodes with the draft's tree alone, so a
+    server grafts its greedy requests and samples the others (decode/evaluate.py refuses the
+    combination outright). The drafter's state follows the accepted
+    path whatever its nodes' origin (EAGLE takes the verifier's features of the accepted nodes,
+    a draft model re-feeds accepted tokens it did not draft).
+    """
+
+    def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1):
+        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise DraftsmithError(
+                f"decode.lookup_tokens={num_tokens}, decode.lookup_max_ngram={max_ngram}, "
+                f"decode.lookup_min_ngram={min_ngram}: need lookup_tokens >= 1 and 1 <= min <= max"
+            )
+        self.inner = inner
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.name = f"{inner.name}+prompt_lookup"
+        self.feature_layers = list(getattr(inner, "feature_layers", None) or ())  # EAGLE-3's, for the engine
+        self.active = True  # False while a draft model samples (set per call in prefill)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.inner.max_depth, self.num_tokens)
+
+    def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams, **extra) -> None:
+        self.active = sampling.greedy or self.inner.name != "draft"  # a sampling draft model: no graft
+        self.inner.prefill(prompt_ids, hidden, sampling, **extra)
+
+    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
+        tree = self.inner.propose(root, hidden, ids)
+        if not self.active:
+            return tree
+        if tree.draft_probs is not None:
+            raise DraftsmithError(f"decode.lookup_tokens: the {self.inner.name} proposer sampled this tree and prompt "
+                                  f"lookup grafts onto deterministic trees only; set decode.lookup_tokens=0")
+        conts = ngram_continuations(
+            torch.tensor(ids, dtype=torch.long), self.max_ngram, self.min_ngram, self.num_tokens
+        )
+        if not conts:
+            return tree
+        tokens, parents, _ = graft(tree.tokens.tolist(), tree.parents.tolist(), conts)
+        if len(tokens) == tree.size:  # the drafter had proposed the whole continuation already
+            return tree
+        return _deterministic_tree(tokens, parents, tree.tokens.device)
+
+    def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:
+        self.inner.accept(tree, path, next_token, hidden, **extra)
 
 
 class LookaheadProposer(Proposer):

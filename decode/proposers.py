@@ -250,4 +250,20 @@ def proposer_for(drafter, verifier, decode_cfg, seed: int = 0) -> Proposer:
     device, configured by a decode preset: what `Drafter.proposer` returns."""
     build = FROM_DRAFTER[drafter.kind]
     module = drafter.module.to(device=verifier.model.device, dtype=verifier.model.dtype)
-    return build(drafter._replace(module=module), verifier, decode_cfg, seed)
+    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg)
+
+
+def with_lookup(proposer: Proposer, decode_cfg) -> Proposer:
+    """Graft prompt lookup onto the drafter's tree when the preset asks (decode.lookup_tokens > 0;
+    decode/lookup.py: PromptLookupGraft): EAGLE and Medusa trees (deterministic), a draft model's
+    when greedy (it samples its drafts at temperature > 0)."""
+    n = decode_cfg.get("lookup_tokens", 0)
+    if not n:
+        return proposer
+    if proposer.name not in ("eagle", "medusa", "draft"):
+        raise DraftsmithError(f"decode.lookup_tokens={n}: prompt lookup grafts onto EAGLE, Medusa and draft-model "
+                              f"trees only, not a {proposer.name} proposer's; set decode.lookup_tokens=0")
+    from draftsmith.decode.lookup import PromptLookupGraft  # lookup imports this module
+
+    return PromptLookupGraft(proposer, num_tokens=int(n), max_ngram=int(decode_cfg.get("lookup_max_ngram", 3)),
+                             min_ngram=int(decode_cfg.get("lookup_min_ngram", 1)))

@@ -15,8 +15,9 @@
 # 5. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
 #    lookahead and the HF baselines (HF assisted generation with the draft, at both schedules),
 #    plain decoding in fp32 and bf16 (and HF's static cache + compile) for the fastest-plain ratio,
+#    every trained drafter also with prompt lookup grafted onto its tree (<method>-pl, GRAFT=0: not),
 #    then the trained drafters on MT-bench at T=0.7 (scripts/compare.py; speedups against plain
-#    decoding in the same run).
+#    decoding in the same run; a draft model's graft is greedy only, so no draft-fkl-pl there).
 # Extra arguments are Hydra overrides for every training command.
 set -euo pipefail
 NUM_PROMPTS=${NUM_PROMPTS:-1024}
@@ -31,11 +32,14 @@ EVAL_PROMPTS=${EVAL_PROMPTS:-'{mtbench: 80, humaneval: 40}'}   # the greedy comp
 T07_PROMPTS=${T07_PROMPTS:-6}   # MT-bench prompts at T=0.7
 CURVE_PROMPTS=${CURVE_PROMPTS:-5}
 TUNE=${TUNE:-1}
+GRAFT=${GRAFT:-1}
+GRAFT_SETTINGS="'decode.lookup_tokens=10','decode.lookup_min_ngram=2'"   # conf/compare.yaml's <method>-pl rows
 TUNE_PROMPTS=${TUNE_PROMPTS:-8}
 OUT=${OUT:-outputs/cmp}
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
 case $TUNE in 0|1) ;; *) echo "compare_all.sh: TUNE=$TUNE; valid: 1 (size EAGLE-3's tree first) or 0" >&2; exit 2 ;; esac
+case $GRAFT in 0|1) ;; *) echo "compare_all.sh: GRAFT=$GRAFT; valid: 1 (also compare each drafter with prompt lookup grafted on) or 0" >&2; exit 2 ;; esac
 for m in $METHODS; do  # refuse an unknown method before any work
     case $m in eagle1|eagle3|medusa1|draft-fkl) ;;
         *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;
@@ -96,12 +100,15 @@ if [ $with_eagle3 = 1 ]; then
         fi
     fi
     if [ "$eagle3" != "$OUT/eagle3" ] || [ -n "$extra" ]; then
-        tuned=("methods.eagle3=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra]")
+        tuned=("methods.eagle3=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra]"
+               "methods.eagle3-pl=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra,$GRAFT_SETTINGS]")
     fi
 fi
-only=$(echo "$METHODS prompt-lookup lookahead" | tr ' ' ',')
+grafted=""  # every trained drafter again with prompt lookup grafted onto its tree
+if [ "$GRAFT" = 1 ]; then grafted=$(printf ' %s-pl' $METHODS); fi
+only=$(echo "$METHODS$grafted prompt-lookup lookahead" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
     num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true output_dir="$OUT/compare" "${tuned[@]}"
-trained=$(echo "$METHODS" | tr ' ' ',')
+trained=$(echo "$METHODS${grafted/ draft-fkl-pl/}" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
     num_prompts="$T07_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"

@@ -6,7 +6,9 @@
 #   3. train 4 Medusa-1 heads on those answers plus 400 ShareGPT conversations as fixed text
 #      (data=selfdistill-mix), on the verifier's own tokens (method.targets=verifier), over an
 #      8,192-token draft vocabulary; per-head held-out accuracy is printed,
-#   4. evaluate them on MT-bench against plain decoding and HF generate; print the table.
+#   4. evaluate them on MT-bench against plain decoding and HF generate, with prompt lookup
+#      grafted onto their tree (decode.lookup_tokens: the heads' tokens and the continuation of the
+#      latest n-gram match, verified in one forward, lossless); print the table.
 # CPU-sized choices (see README "Results", the learning curves): the reduced draft vocabulary
 # makes each head's projection 6x cheaper to train and to decode with, the frozen verifier runs
 # in bf16 while training (its fingerprint does not depend on dtype); the evaluation runs the
@@ -23,5 +25,5 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128
 python train/medusa.py data=selfdistill-mix method.targets=verifier method.draft_vocab_size=8192 \
     trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 model.dtype=bfloat16 "$@"
-python decode/evaluate.py model.dtype=bfloat16 decode=medusa-cpu data=mtbench \
-    data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64
+python decode/evaluate.py model.dtype=bfloat16 decode=medusa-cpu decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
+    data=mtbench data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64

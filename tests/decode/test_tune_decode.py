@@ -108,6 +108,11 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
         assert list(cfg.methods.eagle3) == ["method=eagle", f"drafter={tmp_path}/eagle3-cont2/final",
                                             "decode=eagle-dynamic", "decode.depth=6", "decode.top_k=8",
                                             "decode.total_tokens=16"]
+        # the same drafter and tuned tree with prompt lookup grafted on: conf/compare.yaml's -pl settings
+        assert list(cfg.methods["eagle3-pl"]) == [*cfg.methods.eagle3, *cfg.methods["medusa1-pl"][3:]]
+        assert list(cfg.methods["medusa1-pl"][3:]) == ["decode.lookup_tokens=10", "decode.lookup_min_ngram=2"]
+    assert cfg.only == ["eagle3", "eagle3-pl"]  # the T=0.7 run: the trained drafter, with and without the graft
+    assert compose_config("compare", calls[6][1:]).only == ["eagle3", "eagle3-pl", "prompt-lookup", "lookahead"]
     untuned = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
                                                                     "TUNE": "0", "CONTINUE_eagle3": ""})
     assert [c[0] for c in untuned].count("train/eagle.py") == 1
@@ -116,12 +121,19 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     one_stage = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
                                                                       "TUNE": "0", "CONTINUE_eagle3": "50:mix"})
     assert f"methods.eagle3=['method=eagle','drafter={tmp_path}/eagle3-cont/final','decode=eagle-dynamic']" in one_stage[-1]
-    no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1"})
+    no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1 draft-fkl"})
     assert [c[0] for c in no_eagle].count("train/eagle.py") == 0
+    only = [compose_config("compare", c[1:]).only for c in no_eagle if c[0] == "scripts/compare.py"]
+    assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "prompt-lookup", "lookahead"],
+                    ["medusa1", "draft-fkl", "medusa1-pl"]]  # a draft model's graft is greedy only
+    ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1",
+                                                                      "GRAFT": "0"})
+    assert compose_config("compare", ungrafted[-2][1:]).only == ["medusa1", "prompt-lookup", "lookahead"]
 
 
 @pytest.mark.parametrize("env, message", [
     ({"TUNE": "yes"}, "TUNE=yes; valid: 1"),
+    ({"GRAFT": "on"}, "GRAFT=on; valid: 1"),
     ({"CONTINUE_eagle3": "200"}, "CONTINUE_eagle3 has '200'; give space-separated steps:data stages"),
     ({"CONTINUE_eagle3": "x:sharegpt-mix"}, "CONTINUE_eagle3 has 'x:sharegpt-mix'"),
     ({"CONTINUE_eagle3": "100:", "METHODS": "eagle3"}, "CONTINUE_eagle3 has '100:'"),

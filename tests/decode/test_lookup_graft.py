@@ -1,0 +1,257 @@
+"""decode/lookup.py PromptLookupGraft: prompt lookup grafted onto an EAGLE or Medusa tree.
+
+- ``graft`` on hand-made trees: the drafter's nodes keep their indices, a continuation follows
+  matching nodes and hangs new ones after them, siblings stay distinct;
+- greedy identity with ``model.generate(do_sample=False)`` (tiny fp64 Llama) for EAGLE-1/3
+  (dynamic tree and chain), Medusa and a draft model with a graft, grafted nodes were accepted,
+  and the draft's own cache stayed a prefill of the accepted text;
+- the sampling law of the first 3 tokens with a grafted EAGLE-2 tree at T=1 is the verifier's
+  exact law (chi-square + TV, as tests/decode/test_eagle_decode.py), and a broken rule fails it;
+- the decode presets: every EAGLE / Medusa preset has the keys, ``decode.lookup_tokens`` builds
+  the graft through decode/evaluate.py; a sampled tree, a draft model at T > 0, bad values refused.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from draftsmith.decode import sampling
+from draftsmith.decode.engine import generate
+from draftsmith.decode.evaluate import run
+from draftsmith.decode.lookup import PromptLookupGraft, graft
+from draftsmith.decode.proposers import DraftTree, make_proposer, with_lookup
+from draftsmith.decode.tree import path_to
+from draftsmith.models.errors import DraftsmithError
+from tests.conftest import tiny_model_overrides
+from draftsmith.decode.draft import DraftModelProposer
+from tests.decode.test_draft_proposer import assert_cache_is_prefill, noisy_copy
+from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_counts, law_proposer, null_tv
+from tests.decode.test_engine import (
+    LAW_SAMPLES,
+    RecordingRule,
+    exact_law,
+    fitted_heads,
+    law_model,
+    law_test,
+    residual_from_p_walk,
+    tree_paths,
+)
+from tests.hub import compose_config
+from tests.tiny import save_tiny_medusa, tiny_llama
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "decode"
+GRAFTED_PRESETS = ["eagle-chain", "eagle-static", "eagle-dynamic", "medusa-cpu", "medusa-default", "medusa-small",
+                   "chain4", "draft-chain", "draft-tree"]
+
+
+def test_graft_keeps_the_drafters_nodes_and_appends_the_rest():
+    # root 9; drafted: 5 (1), 4 (2) under the root, 6 (3) under 5
+    tokens, parents, nodes = graft([9, 5, 4, 6], [-1, 0, 0, 1], [[5, 6, 7, 8], [3], [4]])
+    assert tokens[:4] == [9, 5, 4, 6] and parents[:4] == [-1, 0, 0, 1]
+    assert tokens == [9, 5, 4, 6, 7, 8, 3] and parents == [-1, 0, 0, 1, 3, 4, 0]
+    assert nodes == [[1, 3, 4, 5], [6], [2]]
+    for k, path in enumerate([[5, 6, 7, 8], [3], [4]]):
+        assert [tokens[i] for i in path_to(parents, nodes[k][-1])[1:]] == path
+    assert graft([9, 5], [-1, 0], []) == ([9, 5], [-1, 0], [])
+
+
+class CheckedDraft(DraftModelProposer):
+    """After every acceptance the draft cache is a fresh prefill of the text it holds: all it had
+    drafted of the accepted path (grafted tokens it never saw are fed with the next root)."""
+
+    checks = 0
+
+    def propose(self, root, hidden, ids):
+        self.ids, self.size = list(ids), None
+        tree = super().propose(root, hidden, ids)
+        self.size = tree.size
+        return tree
+
+    def accept(self, tree, path, next_token, hidden):
+        super().accept(tree, path, next_token, hidden)
+        drafted = [u for u in path[1:] if u < self.size]  # the draft's own nodes: a prefix of the path
+        assert path[1 : 1 + len(drafted)] == drafted
+        text = self.ids + tree.tokens[path[1:]].tolist() + [next_token]
+        assert len(self.ids) <= self.cached <= len(self.ids) + len(drafted) < len(text)
+        assert_cache_is_prefill(self.model, self.cache, text[: self.cached])
+        self.checks += 1
+
+
+class Spy:
+    """Records the size of the drafter's own tree each step (grafted nodes come after it)."""
+
+    def __init__(self, proposer):
+        self.sizes, inner = [], proposer.inner
+        propose = inner.propose
+
+        def spy(*args):
+            tree = propose(*args)
+            self.sizes.append(tree.size)
+            return tree
+
+        inner.propose = spy
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the per-test one_thread fixture
+    try:
+        model = tiny_llama(eos_token_id=None).requires_grad_(False)
+        drafters = {"eagle1": fitted_drafter(model, "eagle1"),
+                    "eagle3": fitted_drafter(model, "eagle3", ttt=2, draft_vocab_size=64),
+                    "medusa": fitted_heads(model), "draft": noisy_copy(model, 0.008)}
+    finally:
+        torch.set_num_threads(threads)
+    return model, drafters
+
+
+def inner_proposer(model, drafters, case: str):
+    embed, lm_head = model.get_input_embeddings(), model.lm_head
+    if case == "medusa":
+        return make_proposer("medusa", heads=drafters["medusa"], paths=tree_paths("medusa-small"))
+    if case == "draft-heuristic":  # its cache is checked against a fresh prefill after every step
+        return CheckedDraft(drafters["draft"], model.config.vocab_size, num_tokens=2, length_schedule="heuristic",
+                            max_tokens=4)
+    variant, tree = case.split("-")
+    kwargs = dict(depth=2, top_k=3, total_tokens=6) if tree == "dynamic" else dict(paths=[[0], [0, 0]])
+    return make_proposer("eagle", drafter=drafters[variant], embed_tokens=embed, lm_head=lm_head, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["eagle1-dynamic", "eagle3-dynamic", "eagle3-chain", "medusa", "draft-heuristic"])
+def test_greedy_identity_and_grafted_nodes_are_accepted(greedy_setup, case, monkeypatch):
+    model, drafters = greedy_setup
+    proposer = PromptLookupGraft(inner_proposer(model, drafters, case), num_tokens=6, max_ngram=3, min_ngram=1)
+    spy = Spy(proposer)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", recorder)
+    g = torch.Generator().manual_seed(5)
+    for seed in range(4):
+        # a prompt over 10 token ids: its n-grams recur, so lookup has matches from the start
+        ids = torch.randint(4, 14, (1, 16), generator=g) if seed % 2 else torch.randint(4, 100, (1, 8), generator=g)
+        out = generate(model, ids, proposer=proposer, max_new_tokens=40)
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                  pad_token_id=1)[0, ids.shape[1]:].tolist()
+        assert out.tokens == want, (case, seed)
+        assert out.proposer == f"{proposer.inner.name}+prompt_lookup"
+    assert len(spy.sizes) == len(recorder.paths)
+    grafted = [i for i, (p, n) in enumerate(zip(recorder.paths, spy.sizes)) if max(p) >= n]
+    assert grafted, "no grafted node was ever accepted: the test did not exercise the graft"
+    assert any(len(recorder.paths[i]) - 1 > proposer.inner.max_depth for i in grafted)  # deeper than the drafter
+    if case == "draft-heuristic":
+        assert proposer.inner.checks == len(recorder.paths)
+
+
+LAW_CASE = "dynamic-T1"
+
+
+@pytest.mark.slow
+def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[LAW_CASE]
+    model = law_model(scale)
+    law = exact_law(model, temperature, top_k, top_p)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
+    proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
+    spy = Spy(proposer)
+    counts = law_counts(model, proposer, LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    pvalue, tv, impossible = law_test(counts, law)
+    assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
+    assert pvalue > 1e-3, (pvalue, tv)
+    bound = 1.25 * null_tv(law, LAW_SAMPLES)
+    assert tv < bound, (pvalue, tv, bound)
+    assert any(max(p) >= n for p, n in zip(recorder.paths, spy.sizes))  # grafted nodes were accepted
+
+
+@pytest.mark.slow
+def test_sampling_law_with_a_graft_catches_a_broken_rule(monkeypatch):
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[LAW_CASE]
+    model = law_model(scale)
+    law = exact_law(model, temperature, top_k, top_p)
+    monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
+    proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
+    counts = law_counts(model, proposer, 2000, temperature, top_k, top_p, seed=1)
+    pvalue, tv, _ = law_test(counts, law)
+    assert pvalue < 1e-6, (pvalue, tv)
+
+
+def test_a_sampled_tree_and_bad_settings_are_refused():
+    class Sampler:
+        name, max_depth = "draft", 2
+
+        def propose(self, root, hidden, ids):
+            return DraftTree(tokens=torch.tensor([root, 3]), parents=torch.tensor([-1, 0]),
+                             draft_probs=torch.ones(2, 8) / 8, sampled=torch.tensor([True, False]))
+
+    with pytest.raises(DraftsmithError, match="deterministic trees only"):
+        PromptLookupGraft(Sampler(), num_tokens=3).propose(3, torch.zeros(4), [3, 3, 3])
+    with pytest.raises(DraftsmithError, match="decode.lookup_tokens=0, decode.lookup_max_ngram=3"):
+        PromptLookupGraft(Sampler(), num_tokens=0)
+    with pytest.raises(DraftsmithError, match="lookup_min_ngram=3"):
+        PromptLookupGraft(Sampler(), num_tokens=2, max_ngram=2, min_ngram=3)
+    Sampler.name = "lookahead"
+    with pytest.raises(DraftsmithError, match="grafts onto EAGLE, Medusa and draft-model trees only"):
+        with_lookup(Sampler(), OmegaConf.create({"lookup_tokens": 4}))
+
+
+def test_a_draft_model_is_grafted_only_when_greedy(greedy_setup, monkeypatch):
+    """At T > 0 a draft model samples its drafts: the call decodes with its own tree (a server's
+    sampled requests), the next greedy call is grafted again."""
+    model, drafters = greedy_setup
+    proposer = PromptLookupGraft(inner_proposer(model, drafters, "draft-heuristic"), num_tokens=4)
+    spy = Spy(proposer)
+    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]])
+    generate(model, ids, proposer=proposer, max_new_tokens=20, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert recorder.paths and all(max(p) < n for p, n in zip(recorder.paths, spy.sizes))
+    greedy = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
+    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", greedy)
+    spy.sizes.clear()
+    generate(model, ids, proposer=proposer, max_new_tokens=20)
+    assert any(max(p) >= n for p, n in zip(greedy.paths, spy.sizes))  # grafted (and accepted) again
+
+
+def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path):
+    from draftsmith.models.draft import build_student, save_draft_model
+    from draftsmith.models.verifier import fingerprint
+    from tests.tiny import tiny_tokenizer
+
+    verifier = tiny_llama(dtype=torch.float32)
+    student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
+                             verifier_name="tiny")
+    cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "data.num_prompts=1", "max_new_tokens=4", f"output_dir={tmp_path / 'eval'}", "method=draft",
+        f"drafter={draft}", "decode=draft-chain", "decode.lookup_tokens=5", "temperature=0.7"])
+    with pytest.raises(DraftsmithError, match="decode.lookup_tokens=5 with a draft model at temperature=0.7"):
+        run(cfg)
+
+
+@pytest.mark.parametrize("preset", GRAFTED_PRESETS)
+def test_every_eagle_and_medusa_preset_takes_the_graft_keys(preset):
+    d = OmegaConf.load(CONF / f"{preset}.yaml")
+    assert {"lookup_tokens", "lookup_max_ngram", "lookup_min_ngram"} <= set(d)
+
+    class Inner:
+        name, max_depth = {"chain4": "medusa"}.get(preset, preset.split("-")[0]), 3
+
+    inner = Inner()
+    assert with_lookup(inner, OmegaConf.merge(d, {"lookup_tokens": 0})) is inner
+    built = with_lookup(inner, OmegaConf.merge(d, {"lookup_tokens": 7, "lookup_min_ngram": 2}))
+    assert isinstance(built, PromptLookupGraft) and built.inner is inner
+    assert (built.num_tokens, built.max_ngram, built.min_ngram, built.max_depth) == (7, d.lookup_max_ngram, 2, 7)
+
+
+def test_evaluate_runs_the_graft_losslessly(tiny_model_dir, tmp_path):
+    """decode.lookup_tokens on the command line, as a user types it, through decode/evaluate.py."""
+    drafter = save_tiny_medusa(tmp_path / "drafter")
+    cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "data.num_prompts=3", "max_new_tokens=16", f"output_dir={tmp_path / 'eval'}",
+        f"drafter={drafter}", "decode=medusa-small", "decode.lookup_tokens=5", "hf.assistant=null"])
+    report = run(cfg)
+    ours = report["methods"]["medusa"]
+    assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
+    assert report["proposer"] == "medusa+prompt_lookup" and len(ours["accepted_per_depth"]) == 5  # graft depth 5
