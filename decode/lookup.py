@@ -158,7 +158,7 @@ class PromptLookupGraft(Proposer):
     continuation shares its nodes, from the first disagreement on it hangs new ones. A trained
     drafter predicts the next few tokens; a match copies a long span of the context (code,
     quoted text, names), at depths the drafter's tree does not reach and with no drafter
-    forward. decode.lookup_tokens > 0 on an EAGLE or Medusa preset builds this.
+    forward. decode.lookup_tokens > 0 on an EAGLE, Medusa or draft-model preset builds this.
 
     Lossless at any temperature when the drafter's tree is deterministic (EAGLE, Medusa; a
     draft model when greedy): every node's children are then distinct deterministic tokens,
@@ -166,16 +166,16 @@ class PromptLookupGraft(Proposer):
     draft model samples its drafts at temperature > 0 (q != delta beside a grafted q = delta
     child would need a mixed rule): such a call decodes with the draft's tree alone, so a
     server grafts its greedy requests and samples the others (decode/evaluate.py refuses the
-    combination outright). The drafter's state follows the accepted
-    path whatever its nodes' origin (EAGLE takes the verifier's features of the accepted nodes,
-    a draft model re-feeds accepted tokens it did not draft).
+    combination outright). The drafter's state follows the accepted path whatever its nodes'
+    origin (EAGLE takes the verifier's features of the accepted nodes, a draft model re-feeds
+    the accepted tokens it did not draft).
     """
 
     def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1):
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise DraftsmithError(
                 f"decode.lookup_tokens={num_tokens}, decode.lookup_max_ngram={max_ngram}, "
-                f"decode.lookup_min_ngram={min_ngram}: need lookup_tokens >= 1 and 1 <= min <= max"
+                f"decode.lookup_min_ngram={min_ngram}: need lookup_tokens >= 1 (0 turns the graft off) and 1 <= min <= max"
             )
         self.inner = inner
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
