@@ -153,6 +153,9 @@ class DraftModelProposer(Proposer):
     def max_depth(self) -> int:
         return self.max_tokens if self.length_schedule == "heuristic" else self.length
 
+    def samples_drafts(self, sampling: SamplingParams) -> bool:
+        return not sampling.greedy  # greedy drafts the argmax; T > 0 draws from q
+
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
         """A fresh draft cache; the prompt is fed with the first root in the first ``propose``
         (one draft forward fewer than a separate prefill)."""

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate, summarize
+from draftsmith.decode.lookup import PromptLookupGraft
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import load_drafter
@@ -223,7 +224,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     acceptance = cfg.method.get("acceptance", "auto")
-    sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
+    params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    sampling.resolve_rule(acceptance, params)  # refuse before any work
     for schedule in cfg.hf.assisted_schedules:
         choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
     if len(set(cfg.hf.assisted_schedules)) < len(cfg.hf.assisted_schedules):
@@ -234,7 +236,7 @@ def run(cfg: DictConfig) -> dict:
     verifier = load_verifier(cfg.model)
     model, tokenizer = verifier.model, verifier.tokenizer
     proposer, drafter_meta = build_proposer(cfg, verifier)
-    if cfg.temperature > 0 and getattr(proposer, "name", "") == "draft+prompt_lookup":
+    if isinstance(proposer, PromptLookupGraft) and proposer.grafts_nothing(params):
         raise DraftsmithError(f"decode.lookup_tokens={cfg.decode.lookup_tokens} with a draft model at temperature="
                               f"{cfg.temperature}: its drafts are sampled and the graft would not run; set "
                               f"decode.lookup_tokens=0 or temperature=0")

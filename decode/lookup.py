@@ -181,14 +181,19 @@ class PromptLookupGraft(Proposer):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.name = f"{inner.name}+prompt_lookup"
         self.feature_layers = list(getattr(inner, "feature_layers", None) or ())  # EAGLE-3's, for the engine
-        self.active = True  # False while a draft model samples (set per call in prefill)
+        self.active = True  # False while the drafter samples its drafts (set per call in prefill)
 
     @property
     def max_depth(self) -> int:
         return max(self.inner.max_depth, self.num_tokens)
 
+    def grafts_nothing(self, sampling: SamplingParams) -> bool:
+        """True when the drafter samples its drafts under `sampling` (a draft model at T > 0):
+        then every call decodes with the drafter's tree alone."""
+        return self.inner.samples_drafts(sampling)
+
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams, **extra) -> None:
-        self.active = sampling.greedy or self.inner.name != "draft"  # a sampling draft model: no graft
+        self.active = not self.grafts_nothing(sampling)
         self.inner.prefill(prompt_ids, hidden, sampling, **extra)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:

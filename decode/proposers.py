@@ -18,7 +18,7 @@ The engine (decode/engine.py) drives every proposer through the same four calls:
 - ``sampling`` (SamplingParams) tells a proposer that SAMPLES drafts how the engine processes
   the target law; it must draw from, and report in ``DraftTree.draft_probs``, the same
   transform of its own logits (decode.sampling.logits_to_probs), or the rejection rule is
-  exact but accepts less.
+  exact but accepts less. Such a proposer says so in ``samples_drafts(sampling)``.
 
 Adding a proposer: subclass ``Proposer``, implement ``propose`` (and ``prefill``/``accept`` if it
 keeps state: a draft model's or EAGLE's own KV cache is rolled back to the accepted path in
@@ -91,6 +91,11 @@ class Proposer:
 
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
         """Once per generate call: prompt_ids (T,) and the verifier's hidden states (T, H)."""
+
+    def samples_drafts(self, sampling: SamplingParams) -> bool:
+        """Whether this proposer's trees carry sampled children (draft_probs) under `sampling`;
+        False = every child is a deterministic function of the context (q = delta)."""
+        return False
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         """The tree to verify this step; hidden (H,) is the verifier's state before the root."""
