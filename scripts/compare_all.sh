@@ -5,9 +5,11 @@
 #   EVAL_PROMPTS=6 bash scripts/compare_all.sh            # a quick comparison: 6 prompts per dataset
 #   NUM_PROMPTS=20000 STEPS_eagle3=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
 # 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped),
-# 2. train each method on data=sharegpt-mix (those answers + ShareGPT text) with trainer=cpu-long,
-#    STEPS_<method> steps (README: 200 / 100 / 48, the ~2 h the box had), a drafter snapshot at
-#    every quarter of them; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
+# 2. train each method with trainer=cpu-long for STEPS_<method> steps (README: 200 / 880 / 48, the
+#    ~2 h the box had), a drafter snapshot at every quarter of them: EAGLE-3 and the draft on
+#    data=sharegpt-mix (those answers + ShareGPT text); Medusa-1 on data=sharegpt-text (ShareGPT
+#    text only, the verifier's greedy tokens as targets), run through the verifier once
+#    (scripts/prepare_features.py, ~27 min) and trained ~3.4 epochs from the stored features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
 #    "steps:data preset", lr 5e-4 and a new batch order, into OUT/eagle3-cont, eagle3-cont2, ...),
 #    and its last stage is the eagle3 row of both comparisons,
 # 3. learning curves from the snapshots (scripts/learning_curve.py),
@@ -23,7 +25,7 @@ set -euo pipefail
 NUM_PROMPTS=${NUM_PROMPTS:-1024}
 STEPS_eagle3=${STEPS_eagle3:-200}
 STEPS_eagle1=${STEPS_eagle1:-200}
-STEPS_medusa1=${STEPS_medusa1:-100}
+STEPS_medusa1=${STEPS_medusa1:-880}
 STEPS_draft_fkl=${STEPS_draft_fkl:-48}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
 CONTINUE_SET=${CONTINUE_eagle3+set}
@@ -60,6 +62,8 @@ recipe() {  # recipe STEPS DATA: the long recipes' training overrides, a snapsho
     echo "data=$2 trainer=cpu-long model.dtype=bfloat16 trainer.max_steps=$1 trainer.eval_every=$every" \
          "trainer.save_every=$every trainer.snapshot_every=$every"
 }
+model_args=()  # the overrides prepare_features.py takes too: the verifier's
+for a in "$@"; do case $a in model=*|model.*|+model.*) model_args+=("$a") ;; esac; done
 python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
 curves=()
 for m in $METHODS; do
@@ -69,7 +73,10 @@ for m in $METHODS; do
     case $m in
         eagle1) python train/eagle.py $run method="$m" output_dir="$OUT/$m" "$@" ;;
         eagle3) python train/eagle.py $run method="$m" method.noise=0 output_dir="$OUT/$m" "$@" ;;
-        medusa1) python train/medusa.py $run method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
+        medusa1) python scripts/prepare_features.py data=sharegpt-text model.dtype=bfloat16 \
+                     output_dir="$OUT/features-sharegpt-text" "${model_args[@]}"
+                 python train/medusa.py $(recipe "$steps" sharegpt-text) data.features="$OUT/features-sharegpt-text" \
+                     method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
         draft-fkl) python train/draft.py $run method=draft-fkl method.student.num_layers=4 trainer.lr=3e-4 \
                        output_dir="$OUT/$m" "$@" ;;
     esac

@@ -131,6 +131,28 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     assert compose_config("compare", ungrafted[-2][1:]).only == ["medusa1", "prompt-lookup", "lookahead"]
 
 
+def test_compare_all_trains_medusa1_from_features_of_the_same_data(tmp_path):
+    """Medusa-1's long recipe: prepare_features.py runs the verifier once over data=sharegpt-text
+    (given the script's model overrides, not its trainer ones), then train/medusa.py trains from
+    that folder with the same data preset; both commands compose."""
+    from tests.test_documented_commands import check, recorded_python_calls
+
+    calls = recorded_python_calls("scripts/compare_all.sh", ["model.dtype=float32", "trainer.lr=2e-3"],
+                                  {"OUT": str(tmp_path), "METHODS": "medusa1"})
+    assert [c[0] for c in calls][:3] == ["scripts/generate_selfdistill.py", "scripts/prepare_features.py",
+                                         "train/medusa.py"]
+    prepare, train = calls[1], calls[2]
+    for call in (prepare, train):
+        check(call, "compare_all.sh")
+    prep_cfg = compose_config("prepare", prepare[1:])
+    train_cfg = compose_config("medusa", train[1:])
+    assert "trainer.lr=2e-3" not in prepare and prep_cfg.model.dtype == "float32"  # the last override wins
+    assert prep_cfg.data.name == train_cfg.data.name == "sharegpt-text"
+    assert train_cfg.data.features == prep_cfg.output_dir == f"{tmp_path}/features-sharegpt-text"
+    assert (train_cfg.trainer.max_steps, train_cfg.trainer.snapshot_every, train_cfg.trainer.lr) == (880, 220, 2e-3)
+    assert (train_cfg.method.targets, train_cfg.method.draft_vocab_size) == ("verifier", 8192)
+
+
 @pytest.mark.parametrize("env, message", [
     ({"TUNE": "yes"}, "TUNE=yes; valid: 1"),
     ({"GRAFT": "on"}, "GRAFT=on; valid: 1"),
