@@ -4,12 +4,14 @@
 #   METHODS=eagle3 STEPS_eagle3=600 CONTINUE_eagle3= bash scripts/compare_all.sh   # one 600-step EAGLE-3 run
 #   EVAL_PROMPTS=6 bash scripts/compare_all.sh            # a quick comparison: 6 prompts per dataset
 #   NUM_PROMPTS=20000 STEPS_eagle3=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
-# 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped),
+# 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped), for the
+#    methods that train on data=sharegpt-mix (all but medusa1),
 # 2. train each method with trainer=cpu-long for STEPS_<method> steps (README: 200 / 880 / 48, the
 #    ~2 h the box had), a drafter snapshot at every quarter of them: EAGLE-3 and the draft on
 #    data=sharegpt-mix (those answers + ShareGPT text); Medusa-1 on data=sharegpt-text (ShareGPT
 #    text only, the verifier's greedy tokens as targets), run through the verifier once
-#    (scripts/prepare_features.py, ~27 min) and trained ~3.4 epochs from the stored features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
+#    (scripts/prepare_features.py, ~27 min; resumes) and trained ~3.4 epochs from the stored
+#    features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
 #    "steps:data preset", lr 5e-4 and a new batch order, into OUT/eagle3-cont, eagle3-cont2, ...),
 #    and its last stage is the eagle3 row of both comparisons,
 # 3. learning curves from the snapshots (scripts/learning_curve.py),
@@ -64,7 +66,9 @@ recipe() {  # recipe STEPS DATA: the long recipes' training overrides, a snapsho
 }
 model_args=()  # the overrides prepare_features.py takes too: the verifier's
 for a in "$@"; do case $a in model=*|model.*|+model.*) model_args+=("$a") ;; esac; done
-python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
+if [ -n "$(echo " $METHODS " | sed 's/ medusa1 / /g' | tr -d ' ')" ]; then  # medusa1 reads ShareGPT text only
+    python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
+fi
 curves=()
 for m in $METHODS; do
     var="STEPS_${m//-/_}"

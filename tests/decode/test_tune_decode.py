@@ -139,9 +139,9 @@ def test_compare_all_trains_medusa1_from_features_of_the_same_data(tmp_path):
 
     calls = recorded_python_calls("scripts/compare_all.sh", ["model.dtype=float32", "trainer.lr=2e-3"],
                                   {"OUT": str(tmp_path), "METHODS": "medusa1"})
-    assert [c[0] for c in calls][:3] == ["scripts/generate_selfdistill.py", "scripts/prepare_features.py",
-                                         "train/medusa.py"]
-    prepare, train = calls[1], calls[2]
+    # no self-distillation: Medusa-1 alone needs none
+    assert [c[0] for c in calls][:2] == ["scripts/prepare_features.py", "train/medusa.py"]
+    prepare, train = calls[0], calls[1]
     for call in (prepare, train):
         check(call, "compare_all.sh")
     prep_cfg = compose_config("prepare", prepare[1:])
