@@ -40,7 +40,7 @@ from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "decode"
-GRAFTED_PRESETS = ["eagle-chain", "eagle-static", "eagle-dynamic", "medusa-cpu", "medusa-default", "medusa-small",
+GRAFTED_PRESETS = ["eagle-chain", "eagle-static", "eagle-dynamic", "medusa-cpu", "medusa-cpu-wide", "medusa-default", "medusa-small",
                    "chain4", "draft-chain", "draft-tree"]
 
 
