@@ -66,7 +66,9 @@ recipe() {  # recipe STEPS DATA: the long recipes' training overrides, a snapsho
 }
 model_args=()  # the overrides prepare_features.py takes too: the verifier's
 for a in "$@"; do case $a in model=*|model.*|+model.*) model_args+=("$a") ;; esac; done
-if [ -n "$(echo " $METHODS " | sed 's/ medusa1 / /g' | tr -d ' ')" ]; then  # medusa1 reads ShareGPT text only
+selfdistill=0  # medusa1 reads ShareGPT text only; the other methods train on the self-distilled answers too
+for m in $METHODS; do if [ "$m" != medusa1 ]; then selfdistill=1; fi; done
+if [ $selfdistill = 1 ]; then
     python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
 fi
 curves=()
