@@ -26,6 +26,7 @@ from tests.decode.test_engine import (
     exact_law,
     law_model,
     law_test,
+    null_tv,
     residual_from_p_walk,
     tree_paths,
 )
@@ -255,16 +256,6 @@ def law_proposer(model, tree_kwargs, seed: int = 0):
     drafter = EagleDrafter(EagleConfig(model.config.hidden_size, V, model.config.to_dict())).to(model.dtype)
     return make_proposer("eagle", drafter=drafter.eval().requires_grad_(False),
                          embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head, **tree_kwargs)
-
-
-def null_tv(law: torch.Tensor, n: int, reps: int = 200, q: float = 0.99) -> float:
-    """The q-quantile of the TV distance between n exact draws from `law` and `law`: the TV bound
-    scaled to the sample size (fewer samples than test_engine.py, whose fixed bound assumes 20k)."""
-    g = torch.Generator().manual_seed(0)
-    draws = torch.multinomial(law, n * reps, replacement=True, generator=g).view(reps, n)  # (reps, n)
-    counts = torch.zeros(reps, law.numel(), dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(reps, n, dtype=torch.float64))  # (reps, V**3)
-    return float(torch.quantile(0.5 * (counts / n - law).abs().sum(-1), q))
 
 
 def law_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.Tensor:

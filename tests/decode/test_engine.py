@@ -198,7 +198,9 @@ def test_unknown_keys_list_the_valid_ones(greedy_setup):
 
 V = 8  # vocabulary of the law tests: V**3 = 512 cells for the first 3 tokens
 LAW_PROMPT = torch.tensor([[1, 5, 2]])
-LAW_SAMPLES = 20_000
+# 8k samples: TV 0.023-0.032 on seeds 1-3 against the scaled bound of ~0.046 (null_tv); the broken
+# rules below fail the chi-square test at 600 and 1,200 samples
+LAW_SAMPLES = 8_000
 
 
 def law_model(logit_scale: float):
@@ -243,6 +245,16 @@ def engine_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.
     return counts
 
 
+def null_tv(law: torch.Tensor, n: int, reps: int = 200, q: float = 0.99) -> float:
+    """The q-quantile of the TV distance between n exact draws from `law` and `law`: a TV bound
+    scaled to the sample size of each law test."""
+    g = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(law, n * reps, replacement=True, generator=g).view(reps, n)  # (reps, n)
+    counts = torch.zeros(reps, law.numel(), dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(reps, n, dtype=torch.float64))  # (reps, V**3)
+    return float(torch.quantile(0.5 * (counts / n - law).abs().sum(-1), q))
+
+
 def law_test(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, float, float]:
     """(chi-square p-value with cells of expected < 5 merged, TV distance, mass on law-0 cells)."""
     n = counts.sum()
@@ -284,7 +296,7 @@ def test_sampling_law(case, monkeypatch):
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
-    assert tv < 0.03, (pvalue, tv)
+    assert tv < 1.25 * null_tv(law, LAW_SAMPLES), (pvalue, tv)
     # the test exercised rejection, multi-token acceptance and (for trees) non-first siblings
     depths = [len(p) - 1 for p in recorder.paths]
     assert min(depths) == 0 and max(depths) >= 2

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith.decode import sampling
+from draftsmith.decode.draft import DraftModelProposer
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, graft
@@ -24,15 +25,15 @@ from draftsmith.decode.proposers import DraftTree, make_proposer, with_lookup
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
-from draftsmith.decode.draft import DraftModelProposer
 from tests.decode.test_draft_proposer import assert_cache_is_prefill, noisy_copy
-from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_counts, law_proposer, null_tv
+from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_counts, law_proposer
 from tests.decode.test_engine import (
     RecordingRule,
     exact_law,
     fitted_heads,
     law_model,
     law_test,
+    null_tv,
     residual_from_p_walk,
     tree_paths,
 )
