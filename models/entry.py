@@ -14,13 +14,17 @@ from omegaconf import DictConfig, OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+def _override_keys(overrides: list[str]) -> list[str]:
+    """The keys of the value overrides `a.b.c=value` and `key=value`: not additions (+),
+    deletions (~), Hydra's own keys or `group@package` choices."""
+    keys = [arg.split("=", 1)[0] for arg in overrides if "=" in arg and not arg.startswith(("+", "~", "hydra."))]
+    return [key for key in keys if "@" not in key]
+
+
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist.
     A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists."""
-    for arg in overrides:
-        key = arg.split("=", 1)[0]
-        if "=" not in arg or key.startswith(("+", "~", "hydra.")) or "." not in key or "@" in key:
-            continue  # additions, deletions, Hydra's own keys and group choices are Hydra's job
+    for key in [k for k in _override_keys(overrides) if "." in k]:  # `group=option` and the rest are Hydra's job
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
             if not isinstance(node, DictConfig) or part not in node.keys():
@@ -31,30 +35,47 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     return None
 
 
+def mistyped_override(base: DictConfig, full: DictConfig, overrides: list[str]) -> str | None:
+    """The first override that puts text where the config holds a number or a boolean
+    (`method.draft_vocab_size=8k`), explained; None if there is none. `base` is the config with
+    the group choices only (a group's key holds its node there, not a scalar), `full` with every
+    override; a null default accepts anything."""
+    for key in _override_keys(overrides):
+        try:
+            default, value = OmegaConf.select(base, key), OmegaConf.select(full, key)
+        except Exception:  # an interpolation that cannot resolve yet: the script reports it
+            continue
+        if isinstance(default, (bool, int, float)) and isinstance(value, str):
+            kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
+            return f"{key}={value!r}: expected {kind}, like the default ({key}={shown})"
+    return None
+
+
 def config_problem(config_name: str, argv: list[str]) -> str | None:
     """What the entry script would refuse in these overrides, before any work: a misspelt key,
-    or a data key that the chosen data source would ignore. None when both are fine (and when
-    Hydra itself cannot compose them: it reports its own errors)."""
+    text where a number or boolean belongs, or a data key that the chosen data source would
+    ignore. None when all are fine (and when Hydra itself cannot compose them: it reports its
+    own errors)."""
     from hydra import compose, initialize_config_dir
 
     from draftsmith.models.sources import source_key_problem
 
     args = [a for a in argv if not a.startswith("-")]
 
-    def is_choice(a: str) -> bool:  # a group selection: `model=x`, `data@data.prompts=y`
+    def is_choice(a: str) -> bool:  # a group selection: `model=x`, `data@data.prompts=y` (not `rerun=true`)
         key = a.split("=", 1)[0]
-        return "=" in a and ("." not in key or "@" in key) and not a.startswith(("+", "~"))
+        return "=" in a and ("@" in key or (CONF_DIR / key).is_dir()) and not a.startswith(("+", "~"))
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=[a for a in args if is_choice(a)])
             problem = unknown_override(cfg, args)
-            if problem or "data" not in cfg:
+            if problem:
                 return problem
             full = compose(config_name=config_name, overrides=args)
     except Exception:
         return None  # let Hydra report its own composition errors (unknown group options etc.)
-    return source_key_problem(full.data)
+    return mistyped_override(cfg, full, args) or (source_key_problem(full.data) if "data" in full else None)
 
 
 def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:

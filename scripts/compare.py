@@ -106,6 +106,10 @@ def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[di
 
 
 def run(cfg: DictConfig) -> dict:
+    unknown = [name for name in (cfg.only or []) if name not in cfg.methods]
+    if unknown:  # a misspelt name would silently drop that method from the table
+        raise DraftsmithError(f"only={list(cfg.only)}: {unknown} not in methods; choose from "
+                              f"{', '.join(cfg.methods)} (or add it: '+methods.NAME=[...]')")
     for dataset in cfg.datasets:  # a num_prompts map missing a dataset is refused before any work
         prompts_for(cfg, dataset)
     extra = sorted(set(cfg.num_prompts) - set(cfg.datasets)) if isinstance(cfg.num_prompts, DictConfig) else []

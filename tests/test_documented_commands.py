@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,22 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert "num_hedas" in config_problem("medusa", ["method.num_hedas=4"])
     assert "ignored by data.source='mtbench'" in config_problem("evaluate", ["data=mtbench", "data.path=x.jsonl"])
     assert config_problem("medusa", ["data=chat-jsonl", "data.path=my_chats.jsonl"]) is None
+    # text where the config holds a number or a boolean, nested or top-level
+    assert config_problem("eagle", ["method=eagle3", "method.draft_vocab_size=8k"]) == (
+        "method.draft_vocab_size='8k': expected a number, like the default (method.draft_vocab_size=8192)")
+    assert config_problem("compare", ["rerun=yes"]) == "rerun='yes': expected true or false, like the default (rerun=false)"
+    assert "max_new_tokens='ten': expected a number" in config_problem("compare", ["max_new_tokens=ten"])
+    assert "data.max_length='x'" in config_problem("medusa", ["data=tiny", "data.max_length=x"])
+    # ... while numbers, booleans, group choices, maps and values for null defaults pass
+    assert config_problem("compare", ["max_new_tokens=8", "rerun=true"]) is None
+    assert config_problem("medusa", ["trainer=cpu-long", "trainer.lr=1", "trainer.max_steps=1e3",
+                                     "trainer.max_minutes=30", "data=tiny"]) is None
+    assert config_problem("compare", ["num_prompts={mtbench: 80, humaneval: 40}", "threads=2"]) is None
+
+
+def test_a_mistyped_value_stops_the_script_in_one_line():
+    proc = subprocess.run([sys.executable, "train/medusa.py", "trainer.max_steps=10k"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "draftsmith: error: trainer.max_steps='10k': expected a number, like the default (trainer.max_steps=300)")

@@ -65,7 +65,7 @@ def test_catalog_follows_cmp_dir(tmp_path):
 def test_num_prompts_per_dataset(tmp_path):
     """num_prompts='{mtbench: 80, humaneval: 40}' (issue #13's table) gives each dataset its own
     count; a map without a dataset, or with one the run does not evaluate, is refused before any
-    cell runs."""
+    cell runs, and so is a method name in `only` that is not in `methods`."""
     import pytest
 
     from draftsmith.models.errors import DraftsmithError
@@ -84,6 +84,11 @@ def test_num_prompts_per_dataset(tmp_path):
     with pytest.raises(DraftsmithError, match=r"counts \['humaneval'\], not in datasets=\['mtbench'\]; drop"):
         run(unused)
     assert not (tmp_path / "unused").exists()
+    misspelt = compose_config("compare", ["only=[eagle3,prompt-lookpu]", f"output_dir={tmp_path / 'misspelt'}"])
+    with pytest.raises(DraftsmithError, match=r"only=\['eagle3', 'prompt-lookpu'\]: \['prompt-lookpu'\] not in "
+                                              r"methods; choose from medusa1, .*prompt-lookup"):
+        run(misspelt)  # silently leaving the method out of the table would look like a finished run
+    assert not (tmp_path / "misspelt").exists()
 
 
 def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tiny_model_dir, tmp_path):
