@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -23,12 +23,18 @@ def _override_keys(overrides: list[str]) -> list[str]:
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist.
-    A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists."""
+    A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists, and
+    a list's items are numbered as Hydra numbers them (`data.parts.0.max_items=4800`)."""
     for key in [k for k in _override_keys(overrides) if "." in k]:  # `group=option` and the rest are Hydra's job
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
+            where = ".".join(parts[:i]) or "the top level"
+            if isinstance(node, ListConfig):
+                if not (part.isdigit() and int(part) < len(node)):
+                    return f"unknown config key {key!r}: {where} is a list of {len(node)}; index it 0..{len(node) - 1}"
+                node = node[int(part)]
+                continue
             if not isinstance(node, DictConfig) or part not in node.keys():
-                where = ".".join(parts[:i]) or "the top level"
                 valid = ", ".join(sorted(str(k) for k in node)) if isinstance(node, DictConfig) else "(not a group)"
                 return f"unknown config key {key!r}: {where} has no {part!r}; valid: {valid}"
             node = node._get_node(part) if OmegaConf.is_missing(node, part) else node[part]

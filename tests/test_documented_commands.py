@@ -166,6 +166,12 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert config_problem("medusa", ["trainer=cpu-long", "trainer.lr=1", "trainer.max_steps=1e3",
                                      "trainer.max_minutes=30", "data=tiny"]) is None
     assert config_problem("compare", ["num_prompts={mtbench: 80, humaneval: 40}", "threads=2"]) is None
+    # a list's items by index, as Hydra takes them (README: `data.parts.0.max_items=4800` doubles the set)
+    assert config_problem("medusa", ["data=sharegpt-text", "data.parts.0.max_items=4800"]) is None
+    assert compose_config("medusa", ["data=sharegpt-text", "data.parts.0.max_items=4800"]).data.parts[0].max_items == 4800
+    assert config_problem("medusa", ["data=sharegpt-text", "data.parts.1.max_items=4800"]) == (
+        "unknown config key 'data.parts.1.max_items': data.parts is a list of 1; index it 0..0")
+    assert "data.parts.0 has no 'max_itemz'" in config_problem("medusa", ["data=sharegpt-text", "data.parts.0.max_itemz=1"])
 
 
 def test_a_mistyped_value_stops_the_script_in_one_line():
