@@ -30,6 +30,8 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
         for i, part in enumerate(parts):
             where = ".".join(parts[:i]) or "the top level"
             if isinstance(node, ListConfig):
+                if not len(node):
+                    return f"unknown config key {key!r}: {where} is an empty list; set it whole: {where}='[...]'"
                 if not (part.isdigit() and int(part) < len(node)):
                     return f"unknown config key {key!r}: {where} is a list of {len(node)}; index it 0..{len(node) - 1}"
                 node = node[int(part)]
@@ -43,17 +45,21 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
 
 def mistyped_override(base: DictConfig, full: DictConfig, overrides: list[str]) -> str | None:
     """The first override that puts text where the config holds a number or a boolean
-    (`method.draft_vocab_size=8k`), explained; None if there is none. `base` is the config with
-    the group choices only (a group's key holds its node there, not a scalar), `full` with every
-    override; a null default accepts anything."""
+    (`method.draft_vocab_size=8k`), or a boolean where it holds a number, explained; None if
+    there is none. `base` is the config with the group choices only (a group's key holds its node
+    there, not a scalar), `full` with every override; a null default accepts anything."""
     for key in _override_keys(overrides):
         try:
             default, value = OmegaConf.select(base, key), OmegaConf.select(full, key)
         except Exception:  # an interpolation that cannot resolve yet: the script reports it
             continue
-        if isinstance(default, (bool, int, float)) and isinstance(value, str):
-            kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
-            return f"{key}={value!r}: expected {kind}, like the default ({key}={shown})"
+        if not isinstance(default, (bool, int, float)):
+            continue
+        kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
+        if isinstance(value, str) or (isinstance(value, bool) and not isinstance(default, bool)):  # max_steps=true
+            numeric = isinstance(value, str) and value.strip().lstrip("+-").replace(".", "", 1).isdigit()
+            hint = "; it is a number as text (from ${oc.env:...}? wrap it in ${oc.decode:...})" if numeric else ""
+            return f"{key}={value!r}: expected {kind}, like the default ({key}={shown}){hint}"
     return None
 
 

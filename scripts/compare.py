@@ -106,6 +106,8 @@ def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[di
 
 
 def run(cfg: DictConfig) -> dict:
+    if isinstance(cfg.only, str):  # only=eagle3: Hydra gives a string, which would be tested letter by letter
+        raise DraftsmithError(f"only={cfg.only}: give a list of method names, only='[{cfg.only}]'")
     unknown = [name for name in (cfg.only or []) if name not in cfg.methods]
     if unknown:  # a misspelt name would silently drop that method from the table
         raise DraftsmithError(f"only={list(cfg.only)}: {unknown} not in methods; choose from "

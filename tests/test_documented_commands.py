@@ -161,6 +161,13 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert config_problem("compare", ["rerun=yes"]) == "rerun='yes': expected true or false, like the default (rerun=false)"
     assert "max_new_tokens='ten': expected a number" in config_problem("compare", ["max_new_tokens=ten"])
     assert "data.max_length='x'" in config_problem("medusa", ["data=tiny", "data.max_length=x"])
+    assert config_problem("medusa", ["trainer.max_steps=true"]) == (
+        "trainer.max_steps=True: expected a number, like the default (trainer.max_steps=300)")
+    assert config_problem("medusa", ["trainer.max_steps='300'"]) == (
+        "trainer.max_steps='300': expected a number, like the default (trainer.max_steps=300); it is a number as "
+        "text (from ${oc.env:...}? wrap it in ${oc.decode:...})")
+    assert config_problem("prepare", ["layers.0=1"]) == (
+        "unknown config key 'layers.0': layers is an empty list; set it whole: layers='[...]'")
     # ... while numbers, booleans, group choices, maps and values for null defaults pass
     assert config_problem("compare", ["max_new_tokens=8", "rerun=true"]) is None
     assert config_problem("medusa", ["trainer=cpu-long", "trainer.lr=1", "trainer.max_steps=1e3",

@@ -88,6 +88,8 @@ def test_num_prompts_per_dataset(tmp_path):
     with pytest.raises(DraftsmithError, match=r"only=\['eagle3', 'prompt-lookpu'\]: \['prompt-lookpu'\] not in "
                                               r"methods; choose from medusa1, .*prompt-lookup"):
         run(misspelt)  # silently leaving the method out of the table would look like a finished run
+    with pytest.raises(DraftsmithError, match=r"only=eagle3: give a list of method names, only='\[eagle3\]'"):
+        run(compose_config("compare", ["only=eagle3", f"output_dir={tmp_path / 'bare'}"]))
     assert not (tmp_path / "misspelt").exists()
 
 
