@@ -30,7 +30,7 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
         for i, part in enumerate(parts):
             where = ".".join(parts[:i]) or "the top level"
             if isinstance(node, ListConfig):
-                if not len(node):
+                if not node:
                     return f"unknown config key {key!r}: {where} is an empty list; set it whole: {where}='[...]'"
                 if not (part.isdigit() and int(part) < len(node)):
                     return f"unknown config key {key!r}: {where} is a list of {len(node)}; index it 0..{len(node) - 1}"
@@ -55,8 +55,8 @@ def mistyped_override(base: DictConfig, full: DictConfig, overrides: list[str]) 
             continue
         if not isinstance(default, (bool, int, float)):
             continue
-        kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
         if isinstance(value, str) or (isinstance(value, bool) and not isinstance(default, bool)):  # max_steps=true
+            kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
             numeric = isinstance(value, str) and value.strip().lstrip("+-").replace(".", "", 1).isdigit()
             hint = "; it is a number as text (from ${oc.env:...}? wrap it in ${oc.decode:...})" if numeric else ""
             return f"{key}={value!r}: expected {kind}, like the default ({key}={shown}){hint}"
