@@ -12,7 +12,7 @@
 # CPU-sized choices (see README "Results", the learning curves): the reduced draft vocabulary
 # makes each head's projection 6x cheaper to train and to decode with, the frozen verifier runs
 # in bf16 while training (its fingerprint does not depend on dtype); the evaluation runs the
-# verifier in bf16 with the 8-node medusa-cpu tree (~1.1 plain steps to verify).
+# verifier in bf16 with the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify).
 # Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail

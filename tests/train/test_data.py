@@ -213,8 +213,11 @@ def test_split_heldout_is_disjoint_and_deterministic():
     assert ids(held2) == ids(held) and ids(train2) == ids(train)
     assert ids(split_heldout(ds, {"eval_size": 7, "seed": 4})[1]) != ids(held)
     assert len(split_heldout(ds, {"eval_size": 0, "seed": 0})[1]) == 0
-    with pytest.raises(ValueError, match="data.eval_size=50"):
-        split_heldout(ds, {"eval_size": 50, "seed": 0})
+    with pytest.raises(ValueError, match="data.eval_size=50") as err:
+        split_heldout(ds, {"eval_size": 50, "seed": 0, "name": "chitchat"})
+    assert "lower data.eval_size" in str(err.value) and "data=chitchat" in str(err.value)
+    with pytest.raises(ValueError, match="generate_selfdistill.py num_prompts=N"):  # too few answers yet
+        split_heldout(ds, {"eval_size": 50, "seed": 0, "name": "selfdistill"})
 
 
 def test_split_heldout_follows_the_prompts_not_the_positions():

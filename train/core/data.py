@@ -43,7 +43,11 @@ def split_heldout(ds: datasets.Dataset, data_cfg) -> tuple[datasets.Dataset, dat
     """
     eval_size = int(cfg_value(data_cfg, "eval_size") or 0)
     if eval_size < 0 or eval_size >= len(ds):
-        raise DataError(f"data.eval_size={eval_size} must be in [0, {len(ds)}) for {len(ds)} conversations")
+        name = cfg_value(data_cfg, "name") or "?"
+        more = ("; self-distilled data grows with scripts/generate_selfdistill.py num_prompts=N (it resumes)"
+                if str(name).startswith("selfdistill") else "")
+        raise DataError(f"data.eval_size={eval_size} must be in [0, {len(ds)}) for the {len(ds)} conversations of "
+                        f"data={name}: lower data.eval_size or give it more conversations{more}")
     seed = int(cfg_value(data_cfg, "seed") or 0)
     ranks = [split_rank(messages, seed) for messages in ds["messages"]]
     order = sorted(range(len(ds)), key=lambda i: (ranks[i], i))
