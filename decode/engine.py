@@ -209,12 +209,14 @@ def generate(
         done = stop.extend(out, ids, [first])
         if on_tokens is not None and on_tokens(out[:]) is False and not done:
             done, stop.reason = True, "cancelled"
+        sync_device(input_ids.device)
         prefill_s = time.perf_counter() - t_start
         root, hidden_last = first, hidden[-1]  # (H,): the state whose logits gave the root
 
         while not done:
             t0 = time.perf_counter()
             tree: DraftTree = proposer.propose(root, hidden_last, ids)
+            sync_device(input_ids.device)
             t1 = time.perf_counter()
             if tree.is_chain:  # causal = the chain's tree mask: the model's own mask, any attention
                 mask, position_ids = None, None
@@ -230,6 +232,7 @@ def generate(
                 cache=cache, use_cache=True,
             )  # (n, H)
             logits = lm_head(hidden)  # (n, V)
+            sync_device(input_ids.device)
             t2 = time.perf_counter()
 
             path, next_token = rule(tree, logits, params, generator)  # the acceptance rule
@@ -242,6 +245,7 @@ def generate(
                 done, stop.reason = True, "cancelled"
             proposer.accept(tree, path, next_token, hidden, **extra)
             root, hidden_last = next_token, hidden[path[-1]]  # (H,)
+            sync_device(input_ids.device)
             t3 = time.perf_counter()
             steps.append(StepStats(
                 num_nodes=tree.size, accepted=len(path) - 1, emitted=len(out) - n_before,
@@ -253,6 +257,13 @@ def generate(
         proposer=proposer.name, stop_reason=stop.reason, prefill_s=prefill_s,
         total_s=time.perf_counter() - t_start, prompt_len=input_ids.shape[1],
     )
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels, so that the clock splits a step into propose / verify /
+    accept as they ran (CUDA launches return at once); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _feature_layers(proposer: Proposer, model: PreTrainedModel) -> list[int]:

@@ -32,7 +32,7 @@ from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.entry import compose_main, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
-from draftsmith.models.verifier import load_verifier
+from draftsmith.models.verifier import load_verifier, resolve_device
 
 
 def build_proposer(cfg, verifier):
@@ -75,7 +75,8 @@ def assisted_runs(cfg) -> dict[str, dict]:
     for schedule in cfg.hf.assisted_schedules:
         name = choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
         assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
-                                                              "path": cfg.hf.assistant})).model
+                                                              "path": cfg.hf.assistant}),
+                                  device=resolve_device(cfg.device)).model
         defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: HF_ASSISTED_DEFAULTS)()
         gen = assistant.generation_config
         for key in ASSISTED_KEYS:
@@ -226,6 +227,7 @@ def run(cfg: DictConfig) -> dict:
     acceptance = cfg.method.get("acceptance", "auto")
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     sampling.resolve_rule(acceptance, params)  # refuse before any work
+    device = resolve_device(cfg.device)
     for schedule in cfg.hf.assisted_schedules:
         choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
     if len(set(cfg.hf.assisted_schedules)) < len(cfg.hf.assisted_schedules):
@@ -233,7 +235,7 @@ def run(cfg: DictConfig) -> dict:
                               f"name each once")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    verifier = load_verifier(cfg.model)
+    verifier = load_verifier(cfg.model, device=device)
     model, tokenizer = verifier.model, verifier.tokenizer
     proposer, drafter_meta = build_proposer(cfg, verifier)
     if isinstance(proposer, PromptLookupGraft) and proposer.grafts_nothing(params):
@@ -310,7 +312,7 @@ def run(cfg: DictConfig) -> dict:
               "top_k": cfg.top_k, "decode_tree": cfg.decode.name if proposer is not None else None,
               "proposer": proposer.name if proposer is not None else None,  # e.g. eagle+prompt_lookup
               "drafter": cfg.drafter if proposer is not None else None, "drafter_meta": drafter_meta,
-              "threads": torch.get_num_threads(), "lossy": lossy, "methods": {}}
+              "device": str(model.device), "threads": torch.get_num_threads(), "lossy": lossy, "methods": {}}
     for name in runs:
         stats = method_stats(outputs[name], latencies[name], max_depth)
         stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"]
@@ -352,7 +354,7 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
     """Medusa-2 changes the verifier: the ORIGINAL verifier (recorded with the heads) decodes the
     same prompts greedily, and its outputs are compared with the tuned verifier's plain outputs."""
     model_cfg = OmegaConf.create({**original["model"], "dtype": cfg.model.dtype})
-    model = load_verifier(model_cfg).model
+    model = load_verifier(model_cfg, device=resolve_device(cfg.device)).model
     same, agree, total = 0, 0, 0
     for ids, tuned in zip(prompts_ids, tuned_outputs):
         ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens).tokens
@@ -365,7 +367,8 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
 
 
 def markdown_table(report: dict) -> str:
-    head = (f"{report['model']} ({report['dtype']}, {report['threads']} threads), data={report['data']} "
+    where = report["device"] if report.get("device", "cpu") != "cpu" else f"{report['threads']} threads"
+    head = (f"{report['model']} ({report['dtype']}, {where}), data={report['data']} "
             f"x{report['num_prompts']}, T={report['temperature']}, max_new_tokens={report['max_new_tokens']}, "
             f"tree={report['decode_tree']}" + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
     rows = ["| method | tau | tokens/s | speedup vs vanilla | median ms/token | p99 ms/token | greedy identical |",

@@ -39,7 +39,7 @@ from draftsmith.decode.evaluate import build_proposer
 from draftsmith.decode.probe import read_probe
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.verifier import load_verifier
+from draftsmith.models.verifier import load_verifier, resolve_device
 
 # ------------------------------------------------------------------ request schemas (strict: bad input -> 400)
 
@@ -155,7 +155,7 @@ class Engine:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.verifier = load_verifier(cfg.model)
+        self.verifier = load_verifier(cfg.model, device=resolve_device(cfg.device))
         self.model, self.tokenizer = self.verifier.model, self.verifier.tokenizer
         self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)
         self.name = cfg.served_model_name or cfg.model.name
@@ -470,7 +470,7 @@ def run(cfg: DictConfig) -> dict:
     drafter = f"{cfg.method.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
         else "no drafter (method=vanilla: plain decoding)"
     print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
-          f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype}; {drafter}; "
+          f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; {drafter}; "
           f"one request at a time behind a queue of {cfg.max_queue}", flush=True)
     uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
     return {"url": f"http://{cfg.host}:{cfg.port}/v1"}

@@ -22,10 +22,12 @@ def _override_keys(overrides: list[str]) -> list[str]:
 
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """The first `a.b.c=value` override whose key is not in cfg, explained; None if all exist.
+    """The first `a.b.c=value` or top-level `key=value` override whose key is not in cfg,
+    explained; None if all exist (a group choice `model=x` is Hydra's to check).
     A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists, and
     a list's items are numbered as Hydra numbers them (`data.parts.0.max_items=4800`)."""
-    for key in [k for k in _override_keys(overrides) if "." in k]:  # `group=option` and the rest are Hydra's job
+    for key in [k for k in _override_keys(overrides) if "." in k or not (CONF_DIR / k).is_dir()]:  # `group=option`:
+        # Hydra checks the option
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
             where = ".".join(parts[:i]) or "the top level"
@@ -78,6 +80,12 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
         key = a.split("=", 1)[0]
         return "=" in a and ("@" in key or (CONF_DIR / key).is_dir()) and not a.startswith(("+", "~"))
 
+    for a in filter(is_choice, args):  # `model=nope`: one line naming the presets, not Hydra's report
+        key, value = a.split("=", 1)
+        group = key.split("@", 1)[0]
+        options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+        if (CONF_DIR / group).is_dir() and value not in ("null", "") and value not in options:
+            return f"{key}={value!r} is not a preset of conf/{group}/; valid: {', '.join(options)}"
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=[a for a in args if is_choice(a)])

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -297,8 +298,32 @@ def apply_chat_template_setting(tokenizer, model_cfg) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+def resolve_device(spec) -> torch.device:
+    """The `device=` key of the decode-side entry points (evaluate, serve, tune_decode, ...):
+    `auto` (the first CUDA device when torch sees one, else the CPU), `cpu`, `cuda` or `cuda:N`.
+    A device this torch cannot use is refused in one line, before any loading."""
+    spec = "auto" if spec is None else str(spec).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    if match is None:
+        raise DraftsmithError(f"device={spec!r} is not known; valid: auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        build = "" if torch.version.cuda else ", a CPU-only build"
+        raise DraftsmithError(f"device={spec}: torch {torch.__version__}{build} sees no CUDA device; "
+                              f"pass device=cpu (or device=auto: CUDA when present)")
+    index, count = int(match.group(1) or 0), torch.cuda.device_count()
+    if index >= count:
+        raise DraftsmithError(f"device={spec}: torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}; "
+                              f"pass one of them or device=auto")
+    return torch.device("cuda", index)
+
+
 def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
-    """Load the verifier named by a `conf/model/*.yaml` node (frozen, eval mode)."""
+    """Load the verifier named by a `conf/model/*.yaml` node (frozen, eval mode) onto `device`
+    (weights loaded straight onto a GPU, not staged in host memory)."""
     dtype = choose(DTYPES, model_cfg.get("dtype", "float32"), "model.dtype")
     path = resolve_path(model_cfg)
     try:
@@ -308,7 +333,9 @@ def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
     tokenizer = AutoTokenizer.from_pretrained(path)
     apply_chat_template_setting(tokenizer, model_cfg)
     attn = choose(ATTENTION, model_cfg.get("attn_implementation", "sdpa"), "model.attn_implementation")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    device = torch.device(device)
+    placement = {} if device.type == "cpu" else {"device_map": str(device)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **placement)
     model.to(device).eval().requires_grad_(False)
     return Verifier(model=model, tokenizer=tokenizer, fingerprint=fingerprint(model),
                     name=str(model_cfg.name), path=str(path))

@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import DynamicCache
 
 from draftsmith.decode import evaluate
+from draftsmith.decode.engine import sync_device
 from draftsmith.models.entry import launch
-from draftsmith.models.verifier import load_verifier
+from draftsmith.models.verifier import load_verifier, resolve_device
 
 
 # Plain decoders that compete for "the fastest plain decoding": the engine without a drafter, and
@@ -41,16 +42,18 @@ def verify_cost(model, cache_len: int, ks: list[int], repeats: int) -> dict[int,
     """Median seconds of one decoder forward over k new tokens after a cache_len-token prefix."""
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, cache_len), generator=g)
+    prefix = torch.randint(0, model.config.vocab_size, (1, cache_len), generator=g).to(model.device)
     times: dict[int, float] = {}
     for k in ks:
         samples = []
         for _ in range(repeats + 1):  # the first is a warm-up
             cache = DynamicCache(config=model.config)
             decoder(input_ids=prefix, cache=cache, use_cache=True)
-            new = torch.randint(0, model.config.vocab_size, (1, k), generator=g)
+            new = torch.randint(0, model.config.vocab_size, (1, k), generator=g).to(model.device)
+            sync_device(model.device)
             t0 = time.perf_counter()
             lm_head(decoder(input_ids=new, cache=cache, use_cache=True).last_hidden_state)
+            sync_device(model.device)
             samples.append(time.perf_counter() - t0)
         times[k] = statistics.median(samples[1:])
     return times
@@ -66,7 +69,7 @@ def run(cfg: DictConfig) -> dict:
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "by_dtype": {}}
     for dtype in cfg.dtypes:
         run_cfg = OmegaConf.merge(cfg, {"model": {"dtype": dtype}, "output_dir": str(out_dir / f"eval-{dtype}")})
-        model = load_verifier(run_cfg.model).model
+        model = load_verifier(run_cfg.model, device=resolve_device(cfg.device)).model
         cost = verify_cost(model, cfg.cache_len, list(cfg.ks), cfg.repeats)
         del model
         ev = evaluate.run(run_cfg)

@@ -30,7 +30,7 @@ from draftsmith.decode.evaluate import percentile, prompt_ids, save_plot
 from draftsmith.models.entry import CONF_DIR, compose_main, launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_prompts
-from draftsmith.models.verifier import load_verifier
+from draftsmith.models.verifier import load_verifier, resolve_device
 
 
 def free_port() -> int:
@@ -108,22 +108,25 @@ def load_test(url: str, model: str, prompts: list, clients: int, requests: int, 
 def run(cfg: DictConfig) -> dict:
     for noisy in ("httpx", "httpx2"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    device = resolve_device(cfg.device)  # refused before any work
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads)}
     torch.set_num_threads(int(cfg.threads))
-    base = [f"model={cfg.verifier}", f"model.dtype={cfg.dtype}", f"threads={cfg.threads}",
+    base = [f"model={cfg.verifier}", f"model.dtype={cfg.dtype}", f"device={cfg.device}", f"threads={cfg.threads}",
             f"max_queue={max(cfg.clients) + 1}"]
     # the offline reference: the engine's plain greedy output per prompt (lossless = the same text)
     serve_cfg = compose_main("serve", base)
-    verifier = load_verifier(serve_cfg.model)
+    verifier = load_verifier(serve_cfg.model, device=device)
     prompts = load_prompts(compose_data(cfg))
     reference = []
     for p in prompts:
-        out = generate(verifier.model, prompt_ids(verifier.tokenizer, p["messages"]), max_new_tokens=cfg.max_tokens)
+        ids = prompt_ids(verifier.tokenizer, p["messages"]).to(verifier.model.device)
+        out = generate(verifier.model, ids, max_new_tokens=cfg.max_tokens)
         reference.append(verifier.tokenizer.decode(out.tokens, skip_special_tokens=True))
     del verifier
-    report = {"verifier": cfg.verifier, "dtype": cfg.dtype, "threads": cfg.threads, "cpus": os.cpu_count(),
+    report = {"verifier": cfg.verifier, "dtype": cfg.dtype, "device": str(device),
+              "threads": cfg.threads, "cpus": os.cpu_count(),
               "max_tokens": cfg.max_tokens, "load_avg_1m_before": os.getloadavg()[0], "runs": {}}
     for name, overrides in cfg.servers.items():
         port = free_port()

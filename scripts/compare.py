@@ -48,7 +48,7 @@ def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature
                             f"data.num_prompts={'null' if n is None else n}", f"max_new_tokens={cfg.max_new_tokens}",
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
-                            f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
+                            f"device={cfg.device}", f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
 
 
 def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
@@ -105,6 +105,11 @@ def save(cfg: DictConfig, out_dir: Path, fastest: dict[str, dict], rows: list[di
                                                              "fastest_plain": fastest, "rows": rows}, indent=2))
 
 
+def drafter_of(overrides) -> str:
+    """The drafter folder a method's overrides name ("null" for the draft-free methods)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), "null")
+
+
 def run(cfg: DictConfig) -> dict:
     if isinstance(cfg.only, str):  # only=eagle3: Hydra gives a string, which would be tested letter by letter
         raise DraftsmithError(f"only={cfg.only}: give a list of method names, only='[{cfg.only}]'")
@@ -118,6 +123,13 @@ def run(cfg: DictConfig) -> dict:
     if extra:  # ... and so is one that counts a dataset this run does not evaluate
         raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} counts {extra}, not in datasets="
                               f"{list(cfg.datasets)}; drop {extra} from the map or add it to datasets")
+    chosen = [name for name in cfg.methods if cfg.only is None or name in cfg.only]
+    untrained = {name: drafter_of(cfg.methods[name]) for name in chosen
+                 if drafter_of(cfg.methods[name]) != "null" and not Path(drafter_of(cfg.methods[name])).is_dir()}
+    if chosen and len(untrained) == len(chosen):  # nothing would run: an empty table is not a result
+        raise DraftsmithError(f"no drafter for {list(untrained)} (looked in {sorted(set(untrained.values()))}); "
+                              f"train them first (bash scripts/compare_all.sh trains into cmp_dir={cfg.cmp_dir}) "
+                              f"or set cmp_dir / the methods' drafter= to where they are")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, fastest = fastest_plain(cfg, out_dir)
@@ -127,8 +139,8 @@ def run(cfg: DictConfig) -> dict:
     for name, overrides in cfg.methods.items():
         if cfg.only is not None and name not in cfg.only:
             continue
-        drafter = next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), "null")
-        if drafter != "null" and not Path(drafter).is_dir():
+        drafter = drafter_of(overrides)
+        if name in untrained:
             print(f"compare: skipping {name}: no drafter at {drafter} (train it first)", flush=True)
             continue
         for dataset in cfg.datasets:

@@ -45,7 +45,8 @@ def decode_tau(cfg: DictConfig, name: str, snap: Path, out: Path) -> dict:
     """The greedy decode report of one snapshot (reused when out/results.json has the same settings)."""
     overrides = [*model_overrides(cfg.model), *str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"model.dtype={cfg.dtype}",
                  f"data={cfg.dataset}", f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-                 "temperature=0.0", "hf.enabled=false", f"threads={cfg.threads or 'null'}", f"output_dir={out}"]
+                 "temperature=0.0", "hf.enabled=false", f"device={cfg.device}", f"threads={cfg.threads or 'null'}",
+                 f"output_dir={out}"]
     done = out / "overrides.json"
     if done.is_file() and json.loads(done.read_text()) == overrides and (out / "results.json").is_file():
         return json.loads((out / "results.json").read_text())

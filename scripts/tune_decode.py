@@ -34,7 +34,7 @@ from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_prompts
-from draftsmith.models.verifier import load_verifier
+from draftsmith.models.verifier import load_verifier, resolve_device
 
 
 def candidate_list(cfg: DictConfig) -> list[dict]:
@@ -88,9 +88,10 @@ def run(cfg: DictConfig) -> dict:
     acceptance = cfg.method.get("acceptance", "auto")
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     candidates = candidate_list(cfg)
+    device = resolve_device(cfg.device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    verifier = load_verifier(cfg.model)
+    verifier = load_verifier(cfg.model, device=device)
     model, tokenizer = verifier.model, verifier.tokenizer
     proposers, names = {}, [label(c, i) for i, c in enumerate(candidates)]
     for name, c in zip(names, candidates):  # each candidate's proposer, built (and its settings checked) before any timing
@@ -137,7 +138,8 @@ def run(cfg: DictConfig) -> dict:
     report = {"model": verifier.name, "dtype": str(model.dtype), "method": cfg.method.name, "drafter": cfg.drafter,
               "decode": cfg.decode.name, "data": cfg.data.name, "num_prompts": len(prompts),
               "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-              "lossy": acceptance in sampling.LOSSY_RULES, "threads": torch.get_num_threads(), "load_avg_1m_before": load_before,
+              "lossy": acceptance in sampling.LOSSY_RULES, "device": str(model.device), "threads": torch.get_num_threads(),
+              "load_avg_1m_before": load_before,
               "load_avg_1m_after": os.getloadavg()[0], "rows": rows, "best": best}
     write_atomic_text(out_dir / "tune_decode.json", json.dumps(report, indent=2))
     write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # for shell scripts: scripts/compare_all.sh
@@ -152,7 +154,8 @@ def run(cfg: DictConfig) -> dict:
 
 
 def markdown(report: dict) -> str:
-    head = (f"{report['model']} ({report['dtype']}, {report['threads']} threads, load "
+    where = report["device"] if report.get("device", "cpu") != "cpu" else f"{report['threads']} threads"
+    head = (f"{report['model']} ({report['dtype']}, {where}, load "
             f"{report['load_avg_1m_before']:.1f} -> {report['load_avg_1m_after']:.1f}), method={report['method']}, "
             f"decode={report['decode']}, data={report['data']} x{report['num_prompts']}, T={report['temperature']}, "
             f"max_new_tokens={report['max_new_tokens']}; speedup against plain decoding interleaved in this run"

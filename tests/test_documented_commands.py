@@ -179,6 +179,28 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert config_problem("medusa", ["data=sharegpt-text", "data.parts.1.max_items=4800"]) == (
         "unknown config key 'data.parts.1.max_items': data.parts is a list of 1; index it 0..0")
     assert "data.parts.0 has no 'max_itemz'" in config_problem("medusa", ["data=sharegpt-text", "data.parts.0.max_itemz=1"])
+    # a top-level key the script does not have, and a preset that does not exist (both were Hydra's
+    # multi-line reports with exit status 1)
+    assert config_problem("serve", ["output_dir=/tmp/x"]).startswith(
+        "unknown config key 'output_dir': the top level has no 'output_dir'; valid: allow_fingerprint_mismatch, ")
+    assert "the top level has no 'max_new_token'" in config_problem("evaluate", ["max_new_token=8"])
+    assert config_problem("medusa", ["model=smollm2-136m"]) == (
+        "model='smollm2-136m' is not a preset of conf/model/; valid: llama2-7b, llama3.1-8b-instruct, "
+        "mistral-7b-instruct, qwen2.5-7b-instruct, smollm2-135m, vicuna-13b-v1.3, vicuna-7b-v1.3")
+    assert "data@data.prompts='mt-bench' is not a preset of conf/data/" in config_problem(
+        "selfdistill", ["data@data.prompts=mt-bench"])
+    assert config_problem("evaluate", ["model=smollm2-135m", "decode=eagle-dynamic", "device=cpu"]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode/serve.py", "output_dir=/tmp/x"], "draftsmith: error: unknown config key 'output_dir': the top level"),
+    (["train/eagle.py", "method=eagle-3"], "draftsmith: error: method='eagle-3' is not a preset of conf/method/; valid: "),
+])
+def test_an_unknown_key_or_preset_stops_the_script_in_one_line(argv, message):
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[-1]]  # one line
+    assert proc.stderr.strip().startswith(message), proc.stderr[-2000:]
 
 
 def test_a_mistyped_value_stops_the_script_in_one_line():

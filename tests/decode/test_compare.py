@@ -90,6 +90,12 @@ def test_num_prompts_per_dataset(tmp_path):
         run(misspelt)  # silently leaving the method out of the table would look like a finished run
     with pytest.raises(DraftsmithError, match=r"only=eagle3: give a list of method names, only='\[eagle3\]'"):
         run(compose_config("compare", ["only=eagle3", f"output_dir={tmp_path / 'bare'}"]))
+    untrained = compose_config("compare", [f"cmp_dir={tmp_path / 'none'}", "only=[eagle3,medusa1-pl]",
+                                           f"output_dir={tmp_path / 'untrained'}"])
+    with pytest.raises(DraftsmithError, match=r"^no drafter for \['eagle3', 'medusa1-pl'\] \(looked in \[.*none/eagle3/final"
+                                              r".*\]\); train them first \(bash scripts/compare_all.sh"):
+        run(untrained)  # every named method untrained: an empty table would look like a finished run
+    assert not (tmp_path / "untrained").exists()
     assert not (tmp_path / "misspelt").exists()
 
 

@@ -8,7 +8,7 @@ from draftsmith.decode.evaluate import run
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
-from draftsmith.models.verifier import fingerprint
+from draftsmith.models.verifier import fingerprint, resolve_device
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
@@ -88,6 +88,7 @@ def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_mo
     report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.enabled=false",
                       "data.num_prompts=1", "max_new_tokens=4"))
     assert list(report["methods"]) == ["vanilla"] and report["methods"]["vanilla"]["tau"] == 1.0
+    assert report["device"] == str(resolve_device("auto"))  # device=auto: where it decoded, in results.json
     with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: draft, eagle, lookahead, medusa, prompt_lookup, vanilla"):
         run(_cfg(tiny_model_dir, tmp_path / "eval", "method.proposer=eagle9"))
 

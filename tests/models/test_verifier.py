@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.verifier import fingerprint, load_verifier
+from draftsmith.models.verifier import fingerprint, load_verifier, resolve_device
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +78,30 @@ def test_entry_script_big_preset_fails_in_seconds(tmp_path):
     assert len(lines) == 1 and "model.path=" in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert time.time() - t0 < 60
+
+
+def test_resolve_device_picks_cuda_only_when_torch_sees_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device(None) == resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DraftsmithError, match=r"^device=cuda: torch .* sees no CUDA device; pass device=cpu"):
+        resolve_device("cuda")
+    with pytest.raises(DraftsmithError, match=r"^device='gpu' is not known; valid: auto, cpu, cuda, cuda:N$"):
+        resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == resolve_device("cuda") == resolve_device("CUDA:0") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(DraftsmithError, match=r"^device=cuda:2: torch sees 2 CUDA device\(s\), cuda:0..cuda:1"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("script", ["decode/evaluate.py", "decode/serve.py", "scripts/tune_decode.py"])
+def test_a_device_this_torch_cannot_use_stops_the_decoder_in_one_line(script, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: device=cuda is usable here")
+    out = [] if script == "decode/serve.py" else [f"output_dir={tmp_path}"]  # a server writes nothing
+    proc = subprocess.run([sys.executable, script, "device=cuda", "method=vanilla", "drafter=null", *out],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("draftsmith: error: device=cuda: torch "), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
