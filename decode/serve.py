@@ -470,7 +470,8 @@ def run(cfg: DictConfig) -> dict:
     drafter = f"{cfg.method.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
         else "no drafter (method=vanilla: plain decoding)"
     print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
-          f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; {drafter}; "
+          f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; "
+          f"{drafter}; "
           f"one request at a time behind a queue of {cfg.max_queue}", flush=True)
     uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
     return {"url": f"http://{cfg.host}:{cfg.port}/v1"}

@@ -23,11 +23,11 @@ def _override_keys(overrides: list[str]) -> list[str]:
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     """The first `a.b.c=value` or top-level `key=value` override whose key is not in cfg,
-    explained; None if all exist (a group choice `model=x` is Hydra's to check).
+    explained; None if all exist.
     A key whose value is mandatory-missing (`???`, e.g. data.path of data=chat-jsonl) exists, and
     a list's items are numbered as Hydra numbers them (`data.parts.0.max_items=4800`)."""
-    for key in [k for k in _override_keys(overrides) if "." in k or not (CONF_DIR / k).is_dir()]:  # `group=option`:
-        # Hydra checks the option
+    # every key but a group choice (`model=x`: config_problem checks the preset exists)
+    for key in [k for k in _override_keys(overrides) if "." in k or not (CONF_DIR / k).is_dir()]:
         node, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
             where = ".".join(parts[:i]) or "the top level"

@@ -124,8 +124,8 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} counts {extra}, not in datasets="
                               f"{list(cfg.datasets)}; drop {extra} from the map or add it to datasets")
     chosen = [name for name in cfg.methods if cfg.only is None or name in cfg.only]
-    untrained = {name: drafter_of(cfg.methods[name]) for name in chosen
-                 if drafter_of(cfg.methods[name]) != "null" and not Path(drafter_of(cfg.methods[name])).is_dir()}
+    drafters = {name: drafter_of(cfg.methods[name]) for name in chosen}
+    untrained = {name: d for name, d in drafters.items() if d != "null" and not Path(d).is_dir()}
     if chosen and len(untrained) == len(chosen):  # nothing would run: an empty table is not a result
         raise DraftsmithError(f"no drafter for {list(untrained)} (looked in {sorted(set(untrained.values()))}); "
                               f"train them first (bash scripts/compare_all.sh trains into cmp_dir={cfg.cmp_dir}) "
