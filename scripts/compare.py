@@ -28,6 +28,7 @@ from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import resolve_device
 
 
 def prompts_for(cfg: DictConfig, dataset: str):
@@ -48,7 +49,8 @@ def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature
                             f"data.num_prompts={'null' if n is None else n}", f"max_new_tokens={cfg.max_new_tokens}",
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
-                            f"device={cfg.device}", f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
+                            f"device={resolve_device(cfg.device)}",  # auto resolved: a reused cell ran on this device
+                            f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
 
 
 def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
@@ -119,6 +121,7 @@ def run(cfg: DictConfig) -> dict:
                               f"{', '.join(cfg.methods)} (or add it: '+methods.NAME=[...]')")
     for dataset in cfg.datasets:  # a num_prompts map missing a dataset is refused before any work
         prompts_for(cfg, dataset)
+    resolve_device(cfg.device)  # ... and so is a device this torch cannot use
     extra = sorted(set(cfg.num_prompts) - set(cfg.datasets)) if isinstance(cfg.num_prompts, DictConfig) else []
     if extra:  # ... and so is one that counts a dataset this run does not evaluate
         raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} counts {extra}, not in datasets="

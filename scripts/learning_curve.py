@@ -22,6 +22,7 @@ from draftsmith.decode.evaluate import evaluate_config, model_overrides
 from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import resolve_device
 
 
 HELD_OUT = ("eval/simulated_tau", "eval/chain_tau_greedy")  # heads / EAGLE; a draft model's greedy chain
@@ -45,7 +46,7 @@ def decode_tau(cfg: DictConfig, name: str, snap: Path, out: Path) -> dict:
     """The greedy decode report of one snapshot (reused when out/results.json has the same settings)."""
     overrides = [*model_overrides(cfg.model), *str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"model.dtype={cfg.dtype}",
                  f"data={cfg.dataset}", f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-                 "temperature=0.0", "hf.enabled=false", f"device={cfg.device}", f"threads={cfg.threads or 'null'}",
+                 "temperature=0.0", "hf.enabled=false", f"device={resolve_device(cfg.device)}", f"threads={cfg.threads or 'null'}",
                  f"output_dir={out}"]
     done = out / "overrides.json"
     if done.is_file() and json.loads(done.read_text()) == overrides and (out / "results.json").is_file():
@@ -56,6 +57,7 @@ def decode_tau(cfg: DictConfig, name: str, snap: Path, out: Path) -> dict:
 
 
 def run(cfg: DictConfig) -> dict:
+    resolve_device(cfg.device)  # a device this torch cannot use: refused before any work
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = {name: Path(str(d)) for name, d in OmegaConf.to_container(cfg.runs).items() if d is not None}
