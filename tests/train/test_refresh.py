@@ -128,6 +128,19 @@ def test_a_bad_probe_setting_is_refused_before_training(tiny_model_dir, tmp_path
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "final").exists()
 
 
+@pytest.mark.parametrize("config, field", [("eagle", "trainer.init_from"), ("medusa", "method.init_heads")])
+def test_a_warm_start_from_a_missing_folder_is_refused_before_any_loading(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          config, field):
+    from draftsmith.train import core, eagle, medusa
+
+    monkeypatch.setattr(core.loop, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier first"))
+    extra = ["method=medusa2"] if field == "method.init_heads" else []
+    cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "trainer=debug", "logger=none", f"output_dir={tmp_path}", *extra, f"{field}={tmp_path / 'nope'}"])
+    with pytest.raises(DraftsmithError, match=rf"^{field}=.*nope: no such folder; pass a trained drafter's folder"):
+        {"eagle": eagle, "medusa": medusa}[config].run(cfg)
+
+
 def test_the_fine_tune_moves_the_verifier_and_records_how_far(loop_dirs):
     info = json.loads((loop_dirs["ft"] / "finetune.json").read_text())
     tuned = load_verifier(OmegaConf.create({"name": "ft", "source": "hf", "path": str(loop_dirs["ft"]),

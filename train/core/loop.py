@@ -354,7 +354,13 @@ def record_probe(cfg, data: TrainData, drafter_dir: str, verifier) -> dict | Non
 
 
 def start(cfg):
-    """The accelerator for this launch (trackers from the `logger` group)."""
+    """The accelerator for this launch (trackers from the `logger` group). A warm start from a
+    folder that is not there is refused first, before the verifier and the data load."""
+    for field in ("trainer.init_from", "method.init_heads"):
+        path = OmegaConf.select(cfg, field)
+        if path and not Path(str(path)).is_dir():
+            raise DraftsmithError(f"{field}={path}: no such folder; pass a trained drafter's folder (its final/, "
+                                  f"best/ or a snapshot) or drop {field}")
     return make_accelerator(cfg.trainer, log_with=trackers(cfg.logger, cfg.output_dir), seed=cfg.seed)
 
 
