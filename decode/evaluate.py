@@ -35,16 +35,27 @@ from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier, resolve_device
 
 
+def check_drafter(cfg) -> str:
+    """The method's proposer kind; a method that needs a trained drafter without its folder is
+    refused here, before the verifier loads (load_drafter checks the folder's contents)."""
+    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
+    if kind == "vanilla" or kind in DRAFT_FREE:
+        return kind
+    if not cfg.drafter:
+        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
+                              f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
+    if not Path(str(cfg.drafter)).is_dir():
+        raise DraftsmithError(f"drafter={cfg.drafter}: no such checkpoint folder")
+    return kind
+
+
 def build_proposer(cfg, verifier):
     """The method's proposer (None = plain decoding) and the drafter's metadata."""
-    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
+    kind = check_drafter(cfg)
     if kind == "vanilla":
         return None, {}
     if kind in DRAFT_FREE:
         return build_draft_free(cfg, verifier, kind), {}
-    if not cfg.drafter:
-        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
-                              f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
     drafter = load_drafter(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
                            allow_mismatch=cfg.allow_fingerprint_mismatch,
                            verifier_dims=(verifier.config.hidden_size, verifier.lm_head.weight.shape[0]),
@@ -228,6 +239,7 @@ def run(cfg: DictConfig) -> dict:
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     sampling.resolve_rule(acceptance, params)  # refuse before any work
     device = resolve_device(cfg.device)
+    check_drafter(cfg)
     for schedule in cfg.hf.assisted_schedules:
         choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
     if len(set(cfg.hf.assisted_schedules)) < len(cfg.hf.assisted_schedules):

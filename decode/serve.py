@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.decode.engine import generate
-from draftsmith.decode.evaluate import build_proposer
+from draftsmith.decode.evaluate import build_proposer, check_drafter
 from draftsmith.decode.probe import read_probe
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
@@ -155,6 +155,7 @@ class Engine:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
+        check_drafter(cfg)  # a missing drafter folder: refused before the verifier loads
         self.verifier = load_verifier(cfg.model, device=resolve_device(cfg.device))
         self.model, self.tokenizer = self.verifier.model, self.verifier.tokenizer
         self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)

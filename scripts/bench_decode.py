@@ -60,6 +60,8 @@ def verify_cost(model, cache_len: int, ks: list[int], repeats: int) -> dict[int,
 
 
 def run(cfg: DictConfig) -> dict:
+    evaluate.check_drafter(cfg)  # before the verify-cost measurement, not after it
+    resolve_device(cfg.device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:

@@ -89,6 +89,7 @@ def run(cfg: DictConfig) -> dict:
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     candidates = candidate_list(cfg)
     device = resolve_device(cfg.device)
+    evaluate.check_drafter(cfg)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = load_verifier(cfg.model, device=device)

@@ -1,7 +1,12 @@
 """scripts/bench_decode.py on a tiny verifier and Medusa checkpoint: T(k), the evaluate rows per
-dtype, and which plain decoder counts as the fastest."""
+dtype, and which plain decoder counts as the fastest; a missing drafter stops it (and evaluate,
+serve) before any work."""
 import json
 
+import pytest
+
+from draftsmith.decode import evaluate, serve
+from draftsmith.models.errors import DraftsmithError
 from scripts import bench_decode
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
@@ -26,3 +31,17 @@ def test_bench_decode_with_hf_static_path(tiny_model_dir, tmp_path):
     assert saved["fastest_plain_tokens_per_s"] == report["fastest_plain_tokens_per_s"]
     assert "hf_generate_static" in (tmp_path / "bench" / "bench_decode.md").read_text()
     assert (tmp_path / "bench" / "verify_cost.png").is_file()
+
+
+def test_a_missing_drafter_is_refused_before_any_measurement(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_decode, "load_verifier", lambda *a, **k: pytest.fail("measured before the check"))
+    monkeypatch.setattr(evaluate, "load_verifier", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(serve, "load_verifier", lambda *a, **k: pytest.fail("loaded before the check"))
+    missing = tmp_path / "never-trained"
+    for config, run in [("bench_decode", bench_decode.run), ("evaluate", evaluate.run), ("serve", serve.Engine)]:
+        out = [] if config == "serve" else [f"output_dir={tmp_path / config}"]
+        cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [
+            "method=medusa", f"drafter={missing}", *out])
+        with pytest.raises(DraftsmithError, match=rf"^drafter={missing}: no such checkpoint folder$"):
+            run(cfg)
+        assert not (tmp_path / config).exists()
