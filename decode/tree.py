@@ -97,10 +97,10 @@ def ancestor_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """
     parents = _as_parents(parents)
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)  # (n, n)
+    mask = torch.eye(n, dtype=torch.bool)  # (n, n), built on the CPU: one small op per node, no GPU launches
     for i, p in enumerate(parents.tolist()[1:], start=1):
         mask[i] |= mask[p]  # parents come first, so row p is already complete
-    return mask
+    return mask.to(parents.device)
 
 
 def path_to(parents: torch.Tensor | Sequence[int], node: int) -> list[int]:

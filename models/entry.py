@@ -17,8 +17,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 def _override_keys(overrides: list[str]) -> list[str]:
     """The keys of the value overrides `a.b.c=value` and `key=value`: not additions (+),
     deletions (~), Hydra's own keys or `group@package` choices."""
-    keys = [arg.split("=", 1)[0] for arg in overrides if "=" in arg and not arg.startswith(("+", "~", "hydra."))]
-    return [key for key in keys if "@" not in key]
+    keys = [arg.split("=", 1)[0] for arg in overrides if "=" in arg and not arg.startswith(("+", "~", "hydra"))]
+    return [key for key in keys if "@" not in key and "/" not in key]  # hydra/job_logging=..., group@pkg=...
 
 
 def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
@@ -80,8 +80,11 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
         key = a.split("=", 1)[0]
         return "=" in a and ("@" in key or (CONF_DIR / key).is_dir()) and not a.startswith(("+", "~"))
 
-    for a in filter(is_choice, args):  # `model=nope`: one line naming the presets, not Hydra's report
+    sweep = any(a in ("-m", "--multirun") or a.startswith("hydra.searchpath") for a in argv)
+    for a in [] if sweep else filter(is_choice, args):  # `model=nope`: one line naming the presets
         key, value = a.split("=", 1)
+        if any(c in value for c in ",()*[]{}$"):  # a sweep, glob(...), an interpolation: Hydra's to parse
+            continue
         group = key.split("@", 1)[0]
         options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
         if (CONF_DIR / group).is_dir() and value not in ("null", "") and value not in options:

@@ -334,7 +334,10 @@ def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
     apply_chat_template_setting(tokenizer, model_cfg)
     attn = choose(ATTENTION, model_cfg.get("attn_implementation", "sdpa"), "model.attn_implementation")
     device = torch.device(device)
-    placement = {} if device.type == "cpu" else {"device_map": str(device)}
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # straight onto a GPU; not under an active ZeRO-3 config, whose partitioned load refuses a device_map
+    placement = {} if device.type == "cpu" or is_deepspeed_zero3_enabled() else {"device_map": str(device)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **placement)
     model.to(device).eval().requires_grad_(False)
     return Verifier(model=model, tokenizer=tokenizer, fingerprint=fingerprint(model),

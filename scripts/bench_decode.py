@@ -61,17 +61,18 @@ def verify_cost(model, cache_len: int, ks: list[int], repeats: int) -> dict[int,
 
 def run(cfg: DictConfig) -> dict:
     evaluate.check_drafter(cfg)  # before the verify-cost measurement, not after it
-    resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    report = {"threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0], "cache_len": cfg.cache_len,
+    report = {"device": str(device), "threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0],
+              "cache_len": cfg.cache_len,
               "decode_tree": cfg.decode.name, "data": cfg.data.name, "num_prompts": cfg.data.num_prompts,
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "by_dtype": {}}
     for dtype in cfg.dtypes:
         run_cfg = OmegaConf.merge(cfg, {"model": {"dtype": dtype}, "output_dir": str(out_dir / f"eval-{dtype}")})
-        model = load_verifier(run_cfg.model, device=resolve_device(cfg.device)).model
+        model = load_verifier(run_cfg.model, device=device).model
         cost = verify_cost(model, cfg.cache_len, list(cfg.ks), cfg.repeats)
         del model
         ev = evaluate.run(run_cfg)
@@ -101,7 +102,8 @@ def run(cfg: DictConfig) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"threads={report['threads']}, load={report['load_avg_1m']:.1f}, cache={report['cache_len']} tokens, "
+    lines = [f"device={report.get('device', 'cpu')}, threads={report['threads']}, load={report['load_avg_1m']:.1f}, "
+             f"cache={report['cache_len']} tokens, "
              f"tree={report['decode_tree']}, data={report['data']} x{report['num_prompts']}, "
              f"T={report['temperature']}, max_new_tokens={report['max_new_tokens']}", "",
              "| dtype | T(1) ms | " + " | ".join(f"T({k})/T(1)" for k in next(iter(report['by_dtype'].values()))['T_ratio']

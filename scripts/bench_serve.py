@@ -125,6 +125,8 @@ def run(cfg: DictConfig) -> dict:
         out = generate(verifier.model, ids, max_new_tokens=cfg.max_tokens)
         reference.append(verifier.tokenizer.decode(out.tokens, skip_special_tokens=True))
     del verifier
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the servers load their own copies on the same GPU
     report = {"verifier": cfg.verifier, "dtype": cfg.dtype, "device": str(device),
               "threads": cfg.threads, "cpus": os.cpu_count(),
               "max_tokens": cfg.max_tokens, "load_avg_1m_before": os.getloadavg()[0], "runs": {}}

@@ -190,6 +190,10 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert "data@data.prompts='mt-bench' is not a preset of conf/data/" in config_problem(
         "selfdistill", ["data@data.prompts=mt-bench"])
     assert config_problem("evaluate", ["model=smollm2-135m", "decode=eagle-dynamic", "device=cpu"]) is None
+    # ... while Hydra's own groups, sweeps and interpolations stay Hydra's to check
+    assert config_problem("medusa", ["hydra/job_logging=disabled", "hydra.run.dir=/tmp/x"]) is None
+    assert config_problem("medusa", ["-m", "model=smollm2-135m,llama2-7b"]) is None
+    assert config_problem("medusa", ["model=smollm2-135m,llama2-7b"]) is None
 
 
 @pytest.mark.parametrize("argv, message", [

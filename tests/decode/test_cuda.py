@@ -40,7 +40,7 @@ def test_sampling_law_on_the_gpu():
     samples = 4_000
     model = law_model(10.0).to(CUDA)
     law = exact_law(model, 0.7, 0, 0.9).cpu()
-    proposer = make_proposer("medusa", heads=random_heads(model), paths=tree_paths("medusa-small"))
+    proposer = make_proposer("medusa", heads=random_heads(model).to(CUDA), paths=tree_paths("medusa-small"))
     g = torch.Generator(device=CUDA).manual_seed(1)
     counts = torch.zeros(V**3, dtype=torch.float64)
     for _ in range(samples):

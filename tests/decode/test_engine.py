@@ -224,7 +224,7 @@ def random_heads(model, seed: int = 0) -> MedusaHeads:
 def exact_law(model, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """(V**3,) law of the first 3 new tokens, from the model's own conditionals (no cache)."""
     prefixes = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V*V, 2)
-    seqs = torch.cat([LAW_PROMPT.expand(V * V, -1), prefixes], dim=1)  # (V*V, T+2)
+    seqs = torch.cat([LAW_PROMPT.expand(V * V, -1), prefixes], dim=1).to(model.device)  # (V*V, T+2)
     t = LAW_PROMPT.shape[1]
     with torch.no_grad():
         logits = model(input_ids=seqs).logits[:, t - 1 : t + 2]  # (V*V, 3, V)
