@@ -166,5 +166,12 @@ def run_measured(cmd: list[str], env: dict) -> tuple[float, float]:
             time.sleep(0.2)
         if proc.returncode != 0:
             err.seek(0)
-            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed: {err.read()[-2000:]}")
+            text = err.read()
+            refused = [line for line in text.splitlines() if line.startswith("draftsmith: error: ")]
+            if refused:  # bad input in the child: its one line, not a wrapped traceback
+                from draftsmith.models.errors import DraftsmithError
+
+                script = next((Path(c).name for c in cmd if c.endswith(".py")), cmd[0])
+                raise DraftsmithError(f"{script}: {refused[-1].removeprefix('draftsmith: error: ')}")
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed: {text[-2000:]}")
     return time.time() - t0, peak / 1e9

@@ -213,3 +213,15 @@ def test_a_mistyped_value_stops_the_script_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "draftsmith: error: trainer.max_steps='10k': expected a number, like the default (trainer.max_steps=300)")
+
+
+def test_a_benchmark_reports_its_childs_refusal_in_one_line():
+    """scripts/bench_*.py run the entry scripts as children (models.entry.run_measured): a child
+    that refuses its input ends the benchmark with that one line, not a wrapped traceback."""
+    from draftsmith.models.entry import run_measured
+    from draftsmith.models.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match=r"^medusa.py: trainer.max_steps='10k': expected a number"):
+        run_measured([sys.executable, "train/medusa.py", "trainer.max_steps=10k"], dict(os.environ))
+    with pytest.raises(RuntimeError, match=r"failed: .*ZeroDivisionError"):  # a crash keeps its traceback
+        run_measured([sys.executable, "-c", "1/0"], dict(os.environ))
