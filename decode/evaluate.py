@@ -240,6 +240,9 @@ def run(cfg: DictConfig) -> dict:
     sampling.resolve_rule(acceptance, params)  # refuse before any work
     device = resolve_device(cfg.device)
     check_drafter(cfg)
+    if cfg.hf.assistant and cfg.hf.enabled and not Path(str(cfg.hf.assistant)).is_dir():
+        raise DraftsmithError(f"hf.assistant={cfg.hf.assistant}: no such folder; pass a draft model folder "
+                              f"(train/draft.py's final/) or hf.assistant=null")
     for schedule in cfg.hf.assisted_schedules:
         choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
     if len(set(cfg.hf.assisted_schedules)) < len(cfg.hf.assisted_schedules):
