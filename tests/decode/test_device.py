@@ -1,50 +1,56 @@
-"""The decoder on a GPU: what the CPU tests cannot reach (`device=cuda`). Skipped where torch sees
-no CUDA device; on a GPU machine `python -m pytest -q tests/decode/test_cuda.py` is the device
-check: greedy identity with HF `generate` on the same GPU, the exact 3-token law of recursive
-rejection sampling with GPU generators, and decode/evaluate.py end to end with `device=cuda`."""
+"""The decoder on the device `device=auto` picks: the first GPU when torch sees one, else the CPU.
+On a GPU machine `python -m pytest -q tests/decode/test_device.py` is the device check (greedy
+identity with HF `generate` on the same GPU, the exact 3-token law of recursive rejection
+sampling drawn with a generator of that device, decode/evaluate.py end to end); on the CPU the
+same tests check that the device plumbing (tensors, generators, the report) follows `auto`."""
 import pytest
 import torch
 
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.verifier import resolve_device
 from tests.conftest import tiny_model_overrides
 from tests.decode.test_engine import (LAW_PROMPT, V, exact_law, fitted_heads, law_model, law_test, null_tv, prompt,
                                       random_heads, reference, tree_paths)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
-CUDA = torch.device("cuda", 0)
+DEVICE = resolve_device("auto")
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    model = tiny_llama(eos_token_id=None)  # fp64: exact argmax on either device
+    heads = fitted_heads(model)  # fitted on the CPU, then moved
+    return model.to(DEVICE), heads.to(DEVICE)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "chain4", "medusa-small", "prompt-lookup"])
-def test_greedy_identity_on_the_gpu(method):
-    model = tiny_llama(eos_token_id=None)  # fp64: exact argmax on either device
-    heads = fitted_heads(model)
-    model, heads = model.to(CUDA), heads.to(CUDA)
+def test_greedy_identity_on_the_device(fitted, method):
+    model, heads = fitted
     draft_free = {"vanilla": None, "prompt-lookup": make_proposer(
-        "prompt_lookup", num_tokens=4, max_ngram=3, min_ngram=1, num_matches=2, device=CUDA)}
+        "prompt_lookup", num_tokens=4, max_ngram=3, min_ngram=1, num_matches=2, device=DEVICE)}
     proposer = draft_free[method] if method in draft_free else make_proposer("medusa", heads=heads,
                                                                              paths=tree_paths(method))
     for seed, n in [(100, 40), (101, 40), (102, 7)]:
-        ids = prompt(seed).to(CUDA)
+        ids = prompt(seed).to(DEVICE)
         out = generate(model, ids, proposer=proposer, max_new_tokens=n)
         assert out.tokens == reference(model, ids, max_new_tokens=n), (method, seed)
         assert all(s.verify_s > 0 and s.propose_s >= 0 for s in out.steps)  # clocks read after a synchronize
 
 
-def test_sampling_law_on_the_gpu():
-    """The tree-T0.7-topp0.9 case of test_engine.test_sampling_law, sampled on the GPU with a
-    CUDA generator: the float64 law of the first 3 tokens, chi-square and a TV bound."""
+def test_sampling_law_on_the_device():
+    """The tree-T0.7-topp0.9 case of test_engine.test_sampling_law, sampled on the device with a
+    generator of that device: the float64 law of the first 3 tokens, chi-square and a TV bound."""
     samples = 4_000
-    model = law_model(10.0).to(CUDA)
+    model = law_model(10.0).to(DEVICE)
     law = exact_law(model, 0.7, 0, 0.9).cpu()
-    proposer = make_proposer("medusa", heads=random_heads(model).to(CUDA), paths=tree_paths("medusa-small"))
-    g = torch.Generator(device=CUDA).manual_seed(1)
+    proposer = make_proposer("medusa", heads=random_heads(model).to(DEVICE), paths=tree_paths("medusa-small"))
+    g = torch.Generator(device=DEVICE).manual_seed(1)
     counts = torch.zeros(V**3, dtype=torch.float64)
     for _ in range(samples):
-        a, b, c = generate(model, LAW_PROMPT.to(CUDA), proposer=proposer, max_new_tokens=3, temperature=0.7,
+        a, b, c = generate(model, LAW_PROMPT.to(DEVICE), proposer=proposer, max_new_tokens=3, temperature=0.7,
                            top_p=0.9, generator=g, eos_token_id=()).tokens
         counts[(a * V + b) * V + c] += 1
     pvalue, tv, impossible = law_test(counts, law)
@@ -52,20 +58,20 @@ def test_sampling_law_on_the_gpu():
     assert pvalue > 1e-3 and tv < 1.25 * null_tv(law, samples), (pvalue, tv)
 
 
-def test_the_cpu_law_helpers_agree_with_the_gpu():
+def test_the_cpu_law_helpers_agree_with_the_device():
     """The same fp64 model gives the same exact law on both devices (the CPU tests' reference)."""
     model = law_model(10.0)
     cpu = exact_law(model, 0.7, 0, 0.9)
-    gpu = exact_law(model.to(CUDA), 0.7, 0, 0.9).cpu()
-    assert float((cpu - gpu).abs().max()) < 1e-12
+    there = exact_law(model.to(DEVICE), 0.7, 0, 0.9).cpu()
+    assert float((cpu - there).abs().max()) < 1e-12
 
 
-def test_evaluate_decodes_on_the_gpu(tiny_model_dir, tmp_path):
+def test_evaluate_decodes_on_the_auto_device(tiny_model_dir, tmp_path):
     drafter = save_tiny_medusa(tmp_path / "drafter")
     cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "data.num_prompts=3", "max_new_tokens=12", f"output_dir={tmp_path / 'eval'}",
-        f"drafter={drafter}", "decode=medusa-small", "device=cuda"])
+        f"drafter={drafter}", "decode=medusa-small", "device=auto"])
     report = run(cfg)
-    assert report["device"] == "cuda:0"
+    assert report["device"] == str(DEVICE)
     for name in ("vanilla", "medusa", "hf_generate", "hf_prompt_lookup"):
         assert report["methods"][name]["greedy_divergences_unexplained"] == 0, name
