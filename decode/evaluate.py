@@ -28,7 +28,7 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.lookup import PromptLookupGraft
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.models.checkpoint import load_drafter
+from draftsmith.models.checkpoint import drafter_dir, load_drafter
 from draftsmith.models.entry import compose_main, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
@@ -44,8 +44,7 @@ def check_drafter(cfg) -> str:
     if not cfg.drafter:
         raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
                               f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
-    if not Path(str(cfg.drafter)).is_dir():
-        raise DraftsmithError(f"drafter={cfg.drafter}: no such checkpoint folder")
+    drafter_dir(cfg.drafter)
     return kind
 
 
@@ -77,7 +76,7 @@ HF_ASSISTED_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedu
                         "assistant_confidence_threshold": 0.4}  # GenerationConfig's documented defaults
 
 
-def assisted_runs(cfg) -> dict[str, dict]:
+def assisted_runs(cfg, device: torch.device) -> dict[str, dict]:
     """run name -> HF generate kwargs, one assistant model per schedule (HF's heuristic schedule
     keeps its length on the assistant's generation_config across calls, so none is shared)."""
     from transformers import GenerationConfig
@@ -87,7 +86,7 @@ def assisted_runs(cfg) -> dict[str, dict]:
         name = choose(ASSISTED_SCHEDULES, schedule, "hf.assisted_schedules")
         assistant = load_verifier(OmegaConf.merge(cfg.model, {"name": "assistant", "source": "hf",
                                                               "path": cfg.hf.assistant}),
-                                  device=resolve_device(cfg.device)).model
+                                  device=device).model
         defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: HF_ASSISTED_DEFAULTS)()
         gen = assistant.generation_config
         for key in ASSISTED_KEYS:
@@ -264,7 +263,7 @@ def run(cfg: DictConfig) -> dict:
     max_depth = proposer.max_depth if proposer is not None else 0
     hf_runs = {"hf_generate": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": cfg.hf.prompt_lookup_num_tokens}}
     if cfg.hf.assistant:
-        hf_runs.update(assisted_runs(cfg))
+        hf_runs.update(assisted_runs(cfg, device))
     if not cfg.hf.enabled:
         hf_runs = {}
     if cfg.hf.static_cache:  # one cache for every prompt: the longest prompt + max_new_tokens
@@ -352,7 +351,7 @@ def run(cfg: DictConfig) -> dict:
     original = (drafter_meta or {}).get("original_verifier")
     if original and original.get("model") and cfg.temperature == 0:  # a Medusa-2 drafter: the verifier was tuned
         report["tuned_vs_original"] = tuned_vs_original(original, cfg, prompts_ids,
-                                                        outputs["vanilla"][:: cfg.num_samples])
+                                                        outputs["vanilla"][:: cfg.num_samples], device)
         print(f"the tuned verifier against the original ({original['name']}): "
               f"{report['tuned_vs_original']['identical_outputs']:.0%} of greedy outputs identical, "
               f"{report['tuned_vs_original']['token_agreement']:.1%} of tokens before the first divergence")
@@ -365,11 +364,12 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
-def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tuned_outputs) -> dict:
+def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tuned_outputs,
+                      device: torch.device) -> dict:
     """Medusa-2 changes the verifier: the ORIGINAL verifier (recorded with the heads) decodes the
     same prompts greedily, and its outputs are compared with the tuned verifier's plain outputs."""
     model_cfg = OmegaConf.create({**original["model"], "dtype": cfg.model.dtype})
-    model = load_verifier(model_cfg, device=resolve_device(cfg.device)).model
+    model = load_verifier(model_cfg, device=device).model
     same, agree, total = 0, 0, 0
     for ids, tuned in zip(prompts_ids, tuned_outputs):
         ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens).tokens

@@ -157,6 +157,15 @@ def old_medusa_names(state: dict) -> dict:
     return out
 
 
+def drafter_dir(ckpt_dir: str | Path) -> Path:
+    """The drafter folder, refused in one line when it is not there (callers check it before
+    loading the verifier; load_drafter checks it again for Python callers)."""
+    ckpt_dir = Path(str(ckpt_dir))
+    if not ckpt_dir.is_dir():
+        raise DraftsmithError(f"drafter={ckpt_dir}: no such checkpoint folder")
+    return ckpt_dir
+
+
 def load_drafter(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = None, allow_mismatch: bool = False,
                  verifier_dims: tuple[int, int] | None = None, verifier_num_layers: int | None = None,
                  dtype: torch.dtype | None = None) -> Drafter:
@@ -164,9 +173,7 @@ def load_drafter(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = Non
 
     draftsmith folders are checked against `verifier_fingerprint`; public layouts (no meta.json)
     against `verifier_dims` = (hidden size, vocabulary). `dtype` applies to draft models."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise DraftsmithError(f"drafter={ckpt_dir}: no such checkpoint folder")
+    ckpt_dir = drafter_dir(ckpt_dir)
     meta_kind = None
     if (ckpt_dir / "meta.json").is_file():
         meta_kind = read_meta_file(ckpt_dir).get("kind")
