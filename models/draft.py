@@ -105,7 +105,16 @@ def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) ->
                 "pretrained": lambda: pretrained_student(student_cfg.get("path"), verifier, verifier_tokenizer)}
     student = choose(builders, student_cfg.init, "method.student.init")()
     student.generation_config.pad_token_id = verifier_tokenizer.pad_token_id
-    return student.train().requires_grad_(True)
+    student.train().requires_grad_(True)
+    trainable = choose({"all": "all", "body": "body"}, student_cfg.get("trainable", "all"), "method.student.trainable")
+    if trainable == "body":  # the verifier's embeddings and lm_head stay as they are; only the layers + norm learn
+        if student_cfg.init == "config" and student.config.hidden_size != verifier.config.hidden_size:
+            raise DraftsmithError(f"method.student.trainable=body keeps the embeddings frozen, but a "
+                                  f"hidden_size={student.config.hidden_size} student has fresh random ones; "
+                                  f"use method.student.trainable=all")
+        student.get_input_embeddings().requires_grad_(False)
+        student.get_output_embeddings().requires_grad_(False)
+    return student
 
 
 def save_draft_model(out_dir: str | Path, model: PreTrainedModel, tokenizer, *, verifier_fingerprint: str,

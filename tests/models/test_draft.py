@@ -46,6 +46,27 @@ def test_fresh_and_pretrained_students(tmp_path):
         build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "big"}))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_body_only_student_keeps_the_verifiers_embeddings_and_lm_head_frozen(tied):
+    """method.student.trainable=body: only the decoder layers and the final norm learn."""
+    verifier = tiny_llama(num_hidden_layers=4, tie_word_embeddings=tied)
+    student = build_student(verifier, tiny_tokenizer(), OmegaConf.create(
+        {"init": "truncate", "num_layers": 2, "trainable": "body"}))
+    frozen = {n for n, p in student.named_parameters() if not p.requires_grad}
+    assert frozen == ({"model.embed_tokens.weight"} if tied else {"model.embed_tokens.weight", "lm_head.weight"})
+    assert all(p.requires_grad for n, p in student.named_parameters() if n.startswith(("model.layers.", "model.norm")))
+    everything = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 2}))
+    assert all(p.requires_grad for p in everything.parameters())  # the default: trainable=all
+    with pytest.raises(DraftsmithError, match="method.student.trainable='head' is not known; valid: all, body"):
+        build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 2,
+                                                                    "trainable": "head"}))
+    narrow = OmegaConf.create({"init": "config", "num_layers": 1, "hidden_size": 16, "intermediate_size": 32,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "trainable": "body"})
+    with pytest.raises(DraftsmithError, match="hidden_size=16 student has fresh random ones; use "
+                                              "method.student.trainable=all"):
+        build_student(verifier, tiny_tokenizer(), narrow)
+
+
 def test_saved_draft_is_an_hf_folder_with_the_verifier_fingerprint(tmp_path):
     verifier = tiny_llama(num_hidden_layers=3)
     student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))

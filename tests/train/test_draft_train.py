@@ -3,6 +3,7 @@ teacher logits, resume."""
 import csv
 
 import pytest
+import torch
 
 from draftsmith.models.draft import load_draft_model
 from draftsmith.models.errors import DraftsmithError
@@ -35,6 +36,23 @@ def test_each_divergence_trains_and_raises_acceptance(tiny_model_dir, tmp_path, 
     model, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
     assert meta["divergence"] == method.split("-")[1] and model.config.num_hidden_layers == 1
     assert 0 < summary["eval/acceptance_rate"] <= 1 and 1 <= summary["eval/chain_tau_sampled"] <= 5
+
+
+def test_body_only_training_leaves_embeddings_and_lm_head_as_the_verifiers(tiny_model_dir, tmp_path):
+    """trainable=body: the loss falls, the layers move, the saved draft still holds the
+    verifier's own embeddings and lm_head bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    summary = run(_cfg(tiny_model_dir, out, "method.student.trainable=body"))
+    losses = _metric(out, "train/loss")
+    assert losses[-1] < losses[0], losses
+    draft, _ = load_draft_model(summary["drafter_dir"], vocab_size=128)
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(draft.state_dict()[name], verifier.state_dict()[name]), name
+    layer = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(draft.state_dict()[layer], verifier.state_dict()[layer])
 
 
 def test_untrained_student_is_evaluated_and_saved(tiny_model_dir, tmp_path):
