@@ -5,11 +5,12 @@
 #   EVAL_PROMPTS=6 bash scripts/compare_all.sh            # a quick comparison: 6 prompts per dataset
 #   NUM_PROMPTS=20000 STEPS_eagle3=20000 bash scripts/compare_all.sh model=vicuna-7b-v1.3   # a GPU node
 # 1. self-distil ShareGPT first turns (data=selfdistill-sharegpt; resumes where it stopped), for the
-#    methods that train on data=sharegpt-mix (all but medusa1),
-# 2. train each method with trainer=cpu-long for STEPS_<method> steps (README: 200 / 880 / 48, the
-#    ~2 h the box had), a drafter snapshot at every quarter of them: EAGLE-3 and the draft on
-#    data=sharegpt-mix (those answers + ShareGPT text); Medusa-1 on data=sharegpt-text (ShareGPT
-#    text only, the verifier's greedy tokens as targets), run through the verifier once
+#    methods that train on data=sharegpt-mix (EAGLE-1/3),
+# 2. train each method with trainer=cpu-long for STEPS_<method> steps (README: 200 / 880 / 220, the
+#    ~2 h the box had), a drafter snapshot at every quarter of them: EAGLE-3 on data=sharegpt-mix
+#    (those answers + ShareGPT text); the draft (4 layers, embeddings and lm_head frozen, lr 1e-3)
+#    on data=sharegpt-text, the verifier's token law as the target; Medusa-1 on data=sharegpt-text
+#    (the verifier's greedy tokens as targets), run through the verifier once
 #    (scripts/prepare_features.py, ~27 min; resumes) and trained ~3.4 epochs from the stored
 #    features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
 #    "steps:data preset", lr 5e-4 and a new batch order, into OUT/eagle3-cont, eagle3-cont2, ...),
@@ -28,7 +29,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-1024}
 STEPS_eagle3=${STEPS_eagle3:-200}
 STEPS_eagle1=${STEPS_eagle1:-200}
 STEPS_medusa1=${STEPS_medusa1:-880}
-STEPS_draft_fkl=${STEPS_draft_fkl:-48}
+STEPS_draft_fkl=${STEPS_draft_fkl:-220}
 METHODS=${METHODS:-eagle3 medusa1 draft-fkl}
 CONTINUE_SET=${CONTINUE_eagle3+set}
 CONTINUE_eagle3=${CONTINUE_eagle3-200:sharegpt-mix 260:sharegpt-mix-full}   # README: 1.65M, then 2.76M tokens in all
@@ -66,8 +67,8 @@ recipe() {  # recipe STEPS DATA: the long recipes' training overrides, a snapsho
 }
 model_args=()  # the overrides prepare_features.py takes too: the verifier's
 for a in "$@"; do case $a in model=*|model.*|+model.*) model_args+=("$a") ;; esac; done
-selfdistill=0  # medusa1 reads ShareGPT text only; the other methods train on the self-distilled answers too
-for m in $METHODS; do if [ "$m" != medusa1 ]; then selfdistill=1; fi; done
+selfdistill=0  # medusa1 and the draft read ShareGPT text only; EAGLE trains on the self-distilled answers too
+for m in $METHODS; do case $m in eagle1|eagle3) selfdistill=1 ;; esac; done
 if [ $selfdistill = 1 ]; then
     python scripts/generate_selfdistill.py data=selfdistill-sharegpt num_prompts="$NUM_PROMPTS" max_new_tokens=256
 fi
@@ -83,8 +84,8 @@ for m in $METHODS; do
                      output_dir="$OUT/features-sharegpt-text" "${model_args[@]}"
                  python train/medusa.py $(recipe "$steps" sharegpt-text) data.features="$OUT/features-sharegpt-text" \
                      method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
-        draft-fkl) python train/draft.py $run method=draft-fkl method.student.num_layers=4 trainer.lr=3e-4 \
-                       output_dir="$OUT/$m" "$@" ;;
+        draft-fkl) python train/draft.py $(recipe "$steps" sharegpt-text) method=draft-fkl method.student.num_layers=4 \
+                       method.student.trainable=body trainer.lr=1e-3 output_dir="$OUT/$m" "$@" ;;
     esac
     case $m in eagle1) ;; draft-fkl) curves+=("runs.draft=$OUT/$m") ;; *) curves+=("runs.$m=$OUT/$m") ;; esac
 done
