@@ -106,8 +106,8 @@ def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) ->
     student = choose(builders, student_cfg.init, "method.student.init")()
     student.generation_config.pad_token_id = verifier_tokenizer.pad_token_id
     student.train().requires_grad_(True)
-    trainable = choose({"all": "all", "body": "body"}, student_cfg.get("trainable", "all"), "method.student.trainable")
-    if trainable == "body":  # embeddings and lm_head (the verifier's, or a pretrained student's own) stay as they are
+    frozen_vocab = choose({"all": False, "body": True}, student_cfg.get("trainable", "all"), "method.student.trainable")
+    if frozen_vocab:  # embeddings and lm_head (the verifier's, or a pretrained student's own) stay as they are
         if student_cfg.init == "config" and student.config.hidden_size != verifier.config.hidden_size:
             raise DraftsmithError(f"method.student.trainable=body keeps the embeddings frozen, but a "
                                   f"hidden_size={student.config.hidden_size} student has fresh random ones; "
