@@ -29,6 +29,7 @@ def main(out_path: str, tied: bool) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
+    dist.barrier()  # both ranks done with the sharded model before the group goes away
     dist.destroy_process_group()
 
 
