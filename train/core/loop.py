@@ -195,19 +195,20 @@ def top1_report(metrics: dict, key: str, tag: str, n: int) -> str:
     return f"held-out top-1 {top1}, simulated tau {metrics.get('eval/simulated_tau', nan):.2f}"
 
 
-def drafter_saver(cfg, accelerator, kind: str, config, verifier, **meta):
+def drafter_saver(cfg, accelerator, kind: str, config, verifier, draft_vocab=None, **meta):
     """The Recipe.save of every trainer: drafter folders of `kind` (see save_drafter_dir)."""
     return lambda model, metrics, name: save_drafter_dir(cfg, accelerator, model, kind, config, verifier, metrics,
-                                                         name, meta)
+                                                         name, meta, draft_vocab)
 
 
 def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metrics: dict, name: str,
-                     meta: dict | None = None) -> str:
+                     meta: dict | None = None, draft_vocab=None) -> str:
     """output_dir/<name> (final, best, snapshots/step-N) as a drafter folder of `kind`, with the
     verifier's fingerprint, the metrics and the resolved config, from every process: ZeRO-3
     gathers the shards in get_state_dict; no module is built here (under ZeRO-3 that would be a
-    collective on one rank). Draft models are HF folders (models/draft.py), the rest
-    models/checkpoint.py folders: both in the engines' layouts."""
+    collective on one rank). Draft models are HF folders (models/draft.py, with `draft_vocab`
+    (N,) their reduced vocabulary, if any), the rest models/checkpoint.py folders: both in the
+    engines' layouts."""
     out = f"{cfg.output_dir}/{name}"
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -215,7 +216,7 @@ def save_drafter_dir(cfg, accelerator, model, kind: str, config, verifier, metri
                       meta={"method": cfg.method.name, **(meta or {}), "metrics": metrics},
                       resolved_config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
         if kind == "draft":
-            save_draft_model(out, accelerator.unwrap_model(model), verifier.tokenizer, **common)
+            save_draft_model(out, accelerator.unwrap_model(model), verifier.tokenizer, draft_vocab=draft_vocab, **common)
         else:
             save_drafter(out, kind, None, config, **common)
     accelerator.wait_for_everyone()
@@ -247,7 +248,10 @@ def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True
     if init.kind != kind:
         raise DraftsmithError(f"{field}={path} is a {init.kind!r} drafter; this run trains {kind!r} "
                               f"(warm-start from a drafter of the same method)")
-    if dataclasses.is_dataclass(init.config) and hasattr(module, "config"):  # medusa / eagle: name the setting
+    # medusa / eagle: name the setting. A draft's HF config is a dataclass too (transformers 5) but
+    # holds bookkeeping (architectures, _name_or_path) that differs between a saved and a fresh
+    # model of the same shape: the shapes below are what must match.
+    if kind != "draft" and dataclasses.is_dataclass(init.config) and hasattr(module, "config"):
         there, here = dataclasses.asdict(init.config), dataclasses.asdict(module.config)
         differ = [f"{k}: {there[k]} there, {here[k]} here" for k in here
                   if k != "decoder_config" and there.get(k) != here[k]]
