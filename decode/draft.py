@@ -24,6 +24,12 @@ engine applies to the verifier, and q_u is reported in ``DraftTree.draft_probs``
 ``sampled[u]`` set, so recursive rejection sampling is exact (decode/sampling.py). The draws
 use the proposer's own generator (``seed``); any q works, a closer q is only accepted more.
 
+Reduced draft vocabulary. ``vocab_rows`` (N,), the verifier ids the draft may propose
+(train/draft.py ``method.draft_vocab_size``): each draft forward projects onto those N rows of
+its lm_head only, and every other token gets logit -inf, so q is exactly zero there. Still
+lossless: greedy drafts the argmax over the rows, sampling draws from that q and reports it,
+and the verifier checks every token; only the draft's guesses outside the rows are lost.
+
 Draft length. ``length_schedule="fixed"`` drafts ``num_tokens`` each step; ``"heuristic"``
 (HF assisted generation's schedule) adds 2 after a step whose whole draft was accepted and
 takes 1 off otherwise, within [min_tokens, max_tokens], and keeps the length across generate
@@ -36,6 +42,7 @@ verification, and the rules are exact for any tree so drafted.
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
@@ -45,6 +52,7 @@ from draftsmith.decode.proposers import DraftTree, Proposer
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.decode.tree import additive_mask, ancestor_mask
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.vocab import is_draft_vocab
 
 LENGTH_SCHEDULES = {"fixed": "fixed", "heuristic": "heuristic"}
 TREE_MASK_ATTENTION = ("eager", "sdpa", "grouped")
@@ -94,6 +102,8 @@ class DraftModelProposer(Proposer):
       confidence: stop a branch below depth 1 when its largest draft probability is below this
         (0 = off). The probability is of q at temperature > 0, of softmax(logits) when greedy.
       seed: seed of the proposer's own generator for the draft's samples.
+      vocab_rows: (N,) increasing verifier ids the draft drafts from (its reduced vocabulary);
+        None = all V.
     """
 
     name = "draft"
@@ -109,6 +119,7 @@ class DraftModelProposer(Proposer):
         max_tokens: int | None = None,
         confidence: float = 0.0,
         seed: int = 0,
+        vocab_rows: torch.Tensor | None = None,
     ):
         lm_head = model.get_output_embeddings()
         draft_vocab = int(lm_head.weight.shape[0])
@@ -139,6 +150,16 @@ class DraftModelProposer(Proposer):
         self.decoder = model.get_decoder()
         self.lm_head = lm_head
         self.device = lm_head.weight.device
+        self.rows, self.row_weight, self.row_bias = None, lm_head.weight, lm_head.bias
+        if vocab_rows is not None:
+            rows = torch.as_tensor(vocab_rows, device=self.device)  # (N,)
+            if not is_draft_vocab(rows, draft_vocab):
+                raise DraftsmithError(f"the draft vocabulary must be increasing token ids below {draft_vocab}; "
+                                      f"retrain with method.draft_vocab_size=N, or decode with decode.draft_vocab=full")
+            self.rows = rows.long()
+            self.row_weight = lm_head.weight[self.rows].contiguous()  # (N, H)
+            self.row_bias = None if lm_head.bias is None else lm_head.bias[self.rows].contiguous()
+            draft_vocab = rows.numel()
         self.widths = [min(w, draft_vocab) for w in widths]
         self.length = int(num_tokens)
         self.min_tokens, self.max_tokens = int(min_tokens), int(max_tokens)
@@ -166,13 +187,19 @@ class DraftModelProposer(Proposer):
 
     def _logits(self, tokens: list[int], mask=None, position_ids=None, last_only: bool = False) -> torch.Tensor:
         """Feed tokens to the draft on its cache -> (m, V) logits (or (1, V) of the last token
-        only) in at least float32."""
+        only) in at least float32; -inf outside the reduced vocabulary when there is one."""
         hidden = self.decoder(
             input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
             attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
         ).last_hidden_state[0]  # (m, H)
-        logits = self.lm_head(hidden[-1:] if last_only else hidden)  # (m, V) or (1, V)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        hidden = hidden[-1:] if last_only else hidden
+        logits = F.linear(hidden, self.row_weight, self.row_bias)  # (m, N): N = V without vocab_rows
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.rows is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.lm_head.weight.shape[0]), float("-inf"))  # (m, V)
+        full[:, self.rows] = logits
+        return full
 
     def _law(self, logits: torch.Tensor) -> torch.Tensor | None:
         """(m, V) logits -> (m, V) the draft law q (sampling), or softmax (greedy, only when a

@@ -35,7 +35,7 @@ from torch import nn
 
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, verify_inputs
-from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError, choose
 
 
 @dataclass(eq=False)
@@ -202,7 +202,8 @@ def make_proposer(name: str, **kwargs) -> Proposer:
 
     vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None);
     eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens);
-    draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed);
+    draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed,
+           vocab_rows=None);
     prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device);
     lookahead: (lm_head, window, ngram, guess_set, pool_from_prompt, seed, device).
     Unknown names raise a one-line DraftsmithError listing the valid ones.
@@ -241,9 +242,12 @@ def _draft_from(drafter, verifier, d, seed):
     if d.get("proposer") != "draft":
         raise DraftsmithError(f"a draft model needs a draft decode preset and decode={d.name} is not one: "
                               f"pass decode=draft-chain or draft-tree")
+    # decode.draft_vocab: saved = the reduced vocabulary the draft folder holds (if any), full = all V rows
+    saved = choose({"saved": True, "full": False}, d.get("draft_vocab", "saved"), "decode.draft_vocab")
     return make_proposer("draft", model=drafter.module, vocab_size=verifier.lm_head.weight.shape[0],
                          num_tokens=d.num_tokens, tree_topk=list(d.tree_topk), length_schedule=d.length_schedule,
-                         min_tokens=d.min_tokens, max_tokens=d.max_tokens, confidence=d.confidence, seed=seed)
+                         min_tokens=d.min_tokens, max_tokens=d.max_tokens, confidence=d.confidence, seed=seed,
+                         vocab_rows=getattr(drafter.module, "draft_vocab", None) if saved else None)
 
 
 # drafter kind (models/checkpoint.py) -> proposer factory (drafter, verifier, decode preset, seed)

@@ -12,6 +12,12 @@ Students (`method.student.init`):
 A trained draft is saved as a normal HF model folder (config.json + model.safetensors +
 tokenizer) plus meta.json with the verifier fingerprint, so HF `generate(assistant_model=...)`,
 vLLM and draftsmith's own decoder all load it.
+
+Reduced draft vocabulary (`method.draft_vocab_size=N`): the folder also holds
+draft_vocab.safetensors, {"d2t": (N,) int64}, the N verifier ids most frequent among the
+training targets in increasing order (models/vocab.py). The model keeps its whole lm_head, so
+HF and vLLM load it unchanged; draftsmith's decoder projects onto those N rows only
+(decode/draft.py), which cuts the V x h projection that dominates a small draft's step.
 """
 from __future__ import annotations
 
@@ -21,11 +27,15 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from draftsmith.models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.verifier import gathered
+from draftsmith.models.vocab import is_draft_vocab
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # {"d2t": (N,) int64 verifier ids}, beside the HF files
 
 
 def causal_lm(config, dtype: torch.dtype) -> PreTrainedModel:
@@ -119,14 +129,15 @@ def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) ->
 
 def save_draft_model(out_dir: str | Path, model: PreTrainedModel, tokenizer, *, verifier_fingerprint: str,
                      verifier_name: str, meta: dict | None = None, state_dict: dict | None = None,
-                     resolved_config_yaml: str | None = None) -> Path:
+                     resolved_config_yaml: str | None = None, draft_vocab: torch.Tensor | None = None) -> Path:
     """An HF model folder (one model.safetensors) + tokenizer + generation_config.json + meta.json,
     written atomically: what HF assisted generation (`assistant_model=`), vLLM's draft_model
     method and SGLang's STANDALONE algorithm load as they stand.
 
     generation_config.json carries the draft schedule of conf/decode/draft-chain.yaml as HF
     reads it: num_assistant_tokens 4, the heuristic schedule (+2 after a fully accepted draft,
-    -1 otherwise) and no confidence cut (HF's default stops drafting below 0.4)."""
+    -1 otherwise) and no confidence cut (HF's default stops drafting below 0.4).
+    `draft_vocab` (N,): the reduced vocabulary our decoder drafts from (DRAFT_VOCAB_FILE)."""
     generation = copy.deepcopy(model.generation_config)
     generation.num_assistant_tokens = 4
     generation.num_assistant_tokens_schedule = "heuristic"
@@ -141,15 +152,35 @@ def save_draft_model(out_dir: str | Path, model: PreTrainedModel, tokenizer, *, 
         (tmp / "meta.json").write_text(json.dumps(info, indent=2, default=str))
         if resolved_config_yaml is not None:
             (tmp / "config.yaml").write_text(resolved_config_yaml)
+        if draft_vocab is not None:
+            save_file({"d2t": draft_vocab.detach().to("cpu", torch.long).contiguous()}, str(tmp / DRAFT_VOCAB_FILE))
 
     return write_atomic_dir(out_dir, write)
+
+
+def read_draft_vocab(ckpt_dir: Path, vocab_size: int) -> torch.Tensor | None:
+    """The folder's reduced draft vocabulary d2t (N,), checked, or None when it has none."""
+    path = ckpt_dir / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        d2t = load_file(str(path))["d2t"]
+    except Exception as e:  # a torn or foreign file
+        raise DraftsmithError(f"drafter={ckpt_dir}: {DRAFT_VOCAB_FILE} is corrupt ({type(e).__name__}); "
+                              f"delete it to draft from the whole vocabulary") from None
+    if not is_draft_vocab(d2t, vocab_size):
+        raise DraftsmithError(f"drafter={ckpt_dir}: {DRAFT_VOCAB_FILE} is not an increasing list of token ids "
+                              f"below {vocab_size}; delete it to draft from the whole vocabulary")
+    return d2t.long()
 
 
 def load_draft_model(ckpt_dir: str | Path, *, verifier_fingerprint: str | None = None,
                      allow_mismatch: bool = False, dtype: torch.dtype | None = None,
                      vocab_size: int | None = None) -> tuple[PreTrainedModel, dict]:
     """-> (frozen eval-mode model, meta). Any HF causal LM folder works; a draftsmith-trained
-    one also carries meta.json, whose verifier fingerprint is checked."""
+    one also carries meta.json, whose verifier fingerprint is checked. A reduced draft
+    vocabulary (DRAFT_VOCAB_FILE) becomes the model's non-persistent buffer `draft_vocab` (N,):
+    it moves with the model and is never written into its weights."""
     ckpt_dir = Path(ckpt_dir)
     if (ckpt_dir / "meta.json").is_file():
         meta = read_meta(ckpt_dir)
@@ -162,4 +193,7 @@ def load_draft_model(ckpt_dir: str | Path, *, verifier_fingerprint: str | None =
     if vocab_size is not None and model.config.vocab_size != vocab_size:
         raise DraftsmithError(f"drafter={ckpt_dir}: vocabulary of {model.config.vocab_size} tokens, the verifier "
                               f"has {vocab_size}; a draft must share the verifier's tokenizer")
+    d2t = read_draft_vocab(ckpt_dir, model.config.vocab_size)
+    if d2t is not None:
+        model.register_buffer("draft_vocab", d2t, persistent=False)
     return model.eval().requires_grad_(False), meta

@@ -27,6 +27,14 @@ def draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
+def is_draft_vocab(d2t: torch.Tensor, vocab_size: int) -> bool:
+    """Whether d2t is what draft_vocab returns: a non-empty, strictly increasing (N,) list of
+    integer ids below vocab_size."""
+    return (d2t.dim() == 1 and d2t.numel() > 0 and not d2t.is_floating_point() and d2t.dtype != torch.bool
+            and int(d2t.min()) >= 0
+            and int(d2t.max()) < vocab_size and bool((d2t[1:] > d2t[:-1]).all()))
+
+
 def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """d2t (N,) -> t2d (V,): the draft id of each verifier id, -1 where there is none."""
     t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)

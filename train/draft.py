@@ -14,6 +14,9 @@ prompts and the verifier scores them (DistillSpec: on-policy data raises accepta
 Held-out metrics: the divergence, the expected acceptance rate sum_x min(p, q) (the chance
 one sampled draft token is accepted), greedy agreement (argmax p == argmax q) and the chain
 tau they imply for method.gamma drafted tokens. The best checkpoint is chosen by acceptance.
+method.draft_vocab_size=N saves the N most frequent target tokens of the training split with
+the draft (models/draft.py); the loss stays over the whole vocabulary (the folder stays a plain
+HF model), and the held-out metrics score q restricted to those N tokens, as our decoder drafts.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from draftsmith.models.draft import build_student
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
-from draftsmith.models.vocab import IGNORE_INDEX
+from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.data import collate_batch, next_token_positions
@@ -44,9 +47,10 @@ def teacher_at(verifier, batch: dict, mask: torch.Tensor):
     return verifier.lm_head(hidden[mask])  # (N, V)
 
 
-def distill_loss(student, verifier, batch: dict, mcfg, reduce_counts=None):
+def distill_loss(student, verifier, batch: dict, mcfg, reduce_counts=None, rows: torch.Tensor | None = None):
     """The loss step: sum over supervised positions of D(p || q), divided by the global
-    position count (times the processes that DDP averages over) -> (loss, stats)."""
+    position count (times the processes that DDP averages over) -> (loss, stats). `rows` (V,)
+    bool: the reduced draft vocabulary, which the acceptance and agreement stats restrict q to."""
     mask = next_token_positions(batch["labels"])  # (B, T)
     teacher = teacher_at(verifier, batch, mask)
     logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
@@ -57,6 +61,8 @@ def distill_loss(student, verifier, batch: dict, mcfg, reduce_counts=None):
         count, world = reduce_counts(count)
     loss = per_pos.sum() * (world / max(float(count[0]), 1.0))
     with torch.no_grad():
+        if rows is not None:  # q as the decoder drafts it: zero outside the reduced vocabulary
+            q_logits = q_logits.masked_fill(~rows, float("-inf"))
         accept = acceptance_rate(q_logits, teacher, 1.0)  # at T=1: the sampling acceptance rate
         top_t = teacher.argmax(-1) if isinstance(teacher, torch.Tensor) else teacher[1][:, 0].long()
         agree = (q_logits.argmax(-1) == top_t)
@@ -96,10 +102,10 @@ def on_policy_batch(student, batch: dict, mcfg, pad_id: int, eos_id: int, genera
     return {k: v.to(batch["input_ids"].device) for k, v in collate_batch(examples, pad_id).items()}
 
 
-def evaluate(student, verifier, loader, accelerator, mcfg) -> dict:
+def evaluate(student, verifier, loader, accelerator, mcfg, rows=None) -> dict:
     """Held-out divergence, acceptance rate sum_x min(p, q), greedy agreement, chain tau."""
     totals, _ = loop.held_out_totals(accelerator, student, loader,
-                                lambda batch: distill_loss(student, verifier, batch, mcfg))
+                                lambda batch: distill_loss(student, verifier, batch, mcfg, rows=rows))
     count = max(totals.get("count", 0.0), 1.0)
     alpha, greedy = totals.get("accept_sum", 0.0) / count, totals.get("agree_sum", 0.0) / count
     return {"eval/divergence": totals.get("div_sum", 0.0) / count, "eval/acceptance_rate": alpha,
@@ -126,6 +132,18 @@ def run(cfg: DictConfig) -> dict:
     warm = loop.warm_start(cfg.trainer.init_from, student, "draft", cfg.trainer.keep_vocab)
     student.to(accelerator.device)
     data, eval_loader = loop.training_data(cfg, accelerator, verifier.tokenizer)
+    d2t, rows, vocab_note = None, None, ""
+    if mcfg.get("draft_vocab_size") is not None:  # the most frequent targets of the training split
+        vocab, size = student.config.vocab_size, mcfg.draft_vocab_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab:
+            raise DraftsmithError(f"method.draft_vocab_size={size}: must be null (the whole vocabulary) or "
+                                  f"1..{vocab}, e.g. method.draft_vocab_size=8192")
+        counts = label_counts(data.train.labels() if data.offline else data.train["labels"], vocab)
+        d2t = draft_vocab(counts, size)
+        rows = torch.zeros(vocab, dtype=torch.bool, device=accelerator.device)
+        rows[d2t.to(accelerator.device)] = True
+        vocab_note = (f"; draft vocabulary of {size:,} of {vocab:,} tokens covers "
+                      f"{counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
 
     # Fixed data, or with probability onpolicy.ratio per step the student's own sampled answers.
     generator = torch.Generator().manual_seed(cfg.seed)  # on-policy sampling seeds, advanced per step
@@ -145,7 +163,7 @@ def run(cfg: DictConfig) -> dict:
     def loss_step(model, batch):
         """The loss step: D(p || q) of the student against the frozen verifier."""
         with accelerator.autocast():
-            loss, stats = distill_loss(model, verifier, batch, mcfg, global_counts(accelerator))
+            loss, stats = distill_loss(model, verifier, batch, mcfg, global_counts(accelerator), rows)
         return loss, {"train/acceptance_rate": stats["accept_sum"] / max(stats["count"], 1),
                       "train/on_policy": float(on_policy["now"])}
 
@@ -157,14 +175,14 @@ def run(cfg: DictConfig) -> dict:
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=student, param_groups=[{"params": [p for p in student.parameters() if p.requires_grad]}],
         loss_step=loss_step, prepare_batch=prepare_batch,
-        evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg),
-        save=loop.drafter_saver(cfg, accelerator, "draft", None, verifier, divergence=mcfg.divergence,
-                                warm_start=warm),
+        evaluate=lambda model: evaluate(model, verifier, eval_loader, accelerator, mcfg, rows),
+        save=loop.drafter_saver(cfg, accelerator, "draft", None, verifier, draft_vocab=d2t,
+                                divergence=mcfg.divergence, warm_start=warm),
         best_key="eval/acceptance_rate", report=report,
         probe=loop.probe_on(cfg, accelerator, None if offline else frozen, verifier if offline else None),
         describe=f"{mcfg.student.init} student of a {verifier_params:,}-param verifier, {mcfg.divergence} at "
                  f"T={mcfg.temperature}, on-policy ratio {mcfg.onpolicy.ratio}; verifier {verifier.name} "
-                 f"[{verifier.fingerprint}] {placement}"))
+                 f"[{verifier.fingerprint}] {placement}{vocab_note}"))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 - at temperature > 0 the reported q is the draft's own law after the engine's transform, and
   the first 3 tokens follow the verifier's exact law (chi-square + TV, mirroring
   tests/decode/test_engine.py) with a draft whose q is far from p, for a chain, a tree and an
-  adaptive/confidence-cut draft; a rule that resamples from p after a rejection fails it.
+  adaptive/confidence-cut draft; a rule that resamples from p after a rejection fails it;
+- a reduced draft vocabulary (``vocab_rows``): q is zero outside the rows, greedy output and
+  the sampled law stay the verifier's, and a proposer that drafts outside the rows is caught.
 """
 
 import copy
@@ -66,6 +68,8 @@ GREEDY_CASES = {
     "heuristic": ("close", dict(num_tokens=2, length_schedule="heuristic", max_tokens=8)),
     "confidence": ("peaked", dict(num_tokens=6, tree_topk=[2], confidence=0.5)),
     "other-arch-tree": ("other", dict(num_tokens=3, tree_topk=[4, 2])),
+    # a reduced vocabulary of the even ids: every odd verifier token is a sure rejection
+    "reduced-vocab-tree": ("close", dict(num_tokens=4, tree_topk=[2], vocab_rows=torch.arange(0, 128, 2))),
 }
 
 
@@ -81,6 +85,9 @@ def test_greedy_identity(models, case, monkeypatch):
     proposer = make(models, case)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", recorder)
+    drafted: list[int] = []
+    propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda *a: (t := propose(*a), drafted.extend(t.tokens[1:].tolist()))[0])
     sizes = []
     for seed, n in [(100, 40), (101, 40), (102, 7), (103, 1), (104, 2)]:
         ids = prompt(seed)
@@ -95,6 +102,31 @@ def test_greedy_identity(models, case, monkeypatch):
         assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
     if case in ("heuristic", "confidence"):
         assert len(set(sizes)) >= 3, sizes  # the draft length really changed
+    if case == "reduced-vocab-tree":
+        assert drafted and all(t % 2 == 0 for t in drafted), "a token outside the reduced vocabulary was drafted"
+
+
+def test_reduced_vocab_logits_and_refusals(models):
+    """The rows' logits are the full lm_head's on those rows and -inf elsewhere; bad rows are
+    refused in one line; tree widths shrink to the rows."""
+    verifier, drafts = models
+    close = drafts["close"]
+    rows = torch.tensor([3, 7, 8, 50, 127])
+    proposer = DraftModelProposer(close, 128, num_tokens=2, tree_topk=[9], vocab_rows=rows)
+    assert proposer.widths == [5]
+    ids = prompt(108)[0].tolist()
+    proposer.prefill(torch.tensor(ids), torch.zeros(len(ids), 1), sampling_params(0.0))
+    proposer.cache = __import__("draftsmith.decode.cache", fromlist=["new_cache"]).new_cache(close.config)
+    got = proposer._logits(ids, last_only=True)[0]  # (V,)
+    with torch.no_grad():
+        want = close(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=1e-12)
+    assert bool(torch.isneginf(got[[i for i in range(128) if i not in rows.tolist()]]).all())
+    for bad, why in [(torch.tensor([5, 3]), "increasing"), (torch.tensor([1, 128]), "below 128"),
+                     (torch.tensor([], dtype=torch.long), "increasing"), (torch.tensor([2, 2]), "increasing")]:
+        with pytest.raises(DraftsmithError, match=why) as info:
+            DraftModelProposer(close, 128, vocab_rows=bad)
+        assert "\n" not in str(info.value)
 
 
 def test_greedy_identity_eos(models):
@@ -179,6 +211,23 @@ def test_reported_q_is_the_drafts_own_law(models):
         torch.testing.assert_close(tree.draft_probs[c], logits_to_probs(lc, 0.7, 20, 0.9), rtol=0, atol=1e-12)
 
 
+def test_reported_q_of_a_reduced_vocab_is_zero_outside_it(models):
+    verifier, drafts = models
+    close, rows = drafts["close"], torch.arange(1, 128, 3)
+    proposer = DraftModelProposer(close, 128, num_tokens=2, tree_topk=[3], vocab_rows=rows)
+    ids = prompt(109)[0]
+    proposer.prefill(ids, torch.zeros(len(ids), 1), sampling_params(0.05))
+    tree = proposer.propose(42, torch.zeros(1), [*ids.tolist(), 42])
+    with torch.no_grad():
+        logits = close(torch.tensor([[*ids.tolist(), 42]])).logits[0, -1]  # (V,)
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[rows] = False
+    want = logits_to_probs(logits.masked_fill(outside, float("-inf")), 0.05, 0, 1.0)
+    torch.testing.assert_close(tree.draft_probs[0], want, rtol=0, atol=1e-12)
+    assert float(tree.draft_probs[tree.sampled][:, outside].abs().sum()) == 0.0
+    assert all(int(t) % 3 == 1 for t in tree.tokens[1:])
+
+
 def sampling_params(temperature, top_k=0, top_p=1.0):
     from draftsmith.decode.proposers import SamplingParams
 
@@ -247,6 +296,9 @@ LAW_CASES = {
     "heuristic-confidence-T1-topk6": (
         25.0, dict(num_tokens=2, length_schedule="heuristic", min_tokens=2, max_tokens=4, confidence=0.3,
                    tree_topk=[2]), 1.0, 6, 1.0),
+    # q is zero on tokens 3, 5 and 7, which the verifier's law still reaches through (p - q)+
+    "reduced-vocab-tree-T1": (25.0, dict(num_tokens=2, tree_topk=[2], vocab_rows=torch.tensor([0, 1, 2, 4, 6])),
+                              1.0, 0, 1.0),
 }
 
 

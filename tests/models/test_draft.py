@@ -79,3 +79,45 @@ def test_saved_draft_is_an_hf_folder_with_the_verifier_fingerprint(tmp_path):
         load_draft_model(out, verifier_fingerprint="xyz")
     with pytest.raises(DraftsmithError, match="vocabulary of 128 tokens, the verifier has 64"):
         load_draft_model(out, vocab_size=64)
+
+
+def test_reduced_draft_vocab_is_saved_beside_the_hf_files_and_drafted_from(tmp_path):
+    """draft_vocab= writes draft_vocab.safetensors; loading makes it a non-persistent buffer
+    (HF's own loader and the weights are untouched); decode.draft_vocab=saved drafts from it,
+    full from every row; a bad or unknown value is refused in one line."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.models.checkpoint import load_drafter
+
+    verifier = tiny_llama(num_hidden_layers=3)
+    student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    d2t = torch.tensor([0, 5, 9, 77])
+    out = save_draft_model(tmp_path / "final", student, tiny_tokenizer(), verifier_fingerprint="abc",
+                           verifier_name="tiny", draft_vocab=d2t)
+    assert (out / "draft_vocab.safetensors").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(out)  # a plain HF causal LM: the whole lm_head
+    assert hf.lm_head.weight.shape[0] == 128 and not hasattr(hf, "draft_vocab")
+    drafter = load_drafter(out, verifier_fingerprint="abc")
+    assert torch.equal(drafter.module.draft_vocab, d2t) and "draft_vocab" not in drafter.module.state_dict()
+    target = SimpleNamespace(model=verifier, lm_head=verifier.lm_head)
+    preset = {"name": "draft-chain", "proposer": "draft", "num_tokens": 2, "tree_topk": [], "length_schedule": "fixed",
+              "min_tokens": 1, "max_tokens": 4, "confidence": 0.0}
+    saved = drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved"}))
+    assert torch.equal(saved.rows, d2t)
+    assert drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "full"})).rows is None
+    with pytest.raises(DraftsmithError, match="decode.draft_vocab='some'.*valid: full, saved"):
+        drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "some"}))
+    plain = save_draft_model(tmp_path / "plain", student, tiny_tokenizer(), verifier_fingerprint="abc",
+                             verifier_name="tiny")
+    assert load_drafter(plain).proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved"})).rows is None
+    (out / "draft_vocab.safetensors").write_bytes(b"torn")
+    with pytest.raises(DraftsmithError, match="draft_vocab.safetensors is corrupt.*delete it") as info:
+        load_draft_model(out)
+    assert "\n" not in str(info.value)
+    from safetensors.torch import save_file
+
+    save_file({"d2t": torch.tensor([4, 2])}, str(out / "draft_vocab.safetensors"))
+    with pytest.raises(DraftsmithError, match="not an increasing list of token ids below 128"):
+        load_draft_model(out)

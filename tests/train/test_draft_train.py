@@ -90,3 +90,47 @@ def test_offline_top_k_teacher(tiny_model_dir, tmp_path):
         "data=tiny", "dtype=float32", f"output_dir={plain}"]))
     with pytest.raises(DraftsmithError, match="holds no teacher logits"):
         run(_cfg(tiny_model_dir, tmp_path / "run3", f"data.features={plain}"))
+
+
+def test_reduced_draft_vocab_is_the_most_frequent_targets(tiny_model_dir, tmp_path):
+    """method.draft_vocab_size=N saves the N most frequent supervised targets of the training
+    split beside a model that keeps its whole lm_head; the held-out metrics score q restricted
+    to them (a restriction can only lower greedy agreement on the same weights); bad sizes are
+    refused in one line."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.models.vocab import draft_vocab, label_counts
+    from draftsmith.train.core.loop import load_train_data
+
+    full = run(_cfg(tiny_model_dir, tmp_path / "full", "trainer.max_steps=0"))
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", "trainer.max_steps=0", "method.draft_vocab_size=8")
+    summary = run(cfg)
+    model, _ = load_draft_model(summary["drafter_dir"], vocab_size=128)
+    assert model.lm_head.weight.shape[0] == 128
+    train = load_train_data(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)).train
+    assert torch.equal(model.draft_vocab, draft_vocab(label_counts(train["labels"], 128), 8))
+    assert summary["eval/greedy_agreement"] <= full["eval/greedy_agreement"]
+    assert summary["eval/acceptance_rate"] != full["eval/acceptance_rate"]  # q restricted (it may rise: renormalised)
+    for bad in ("0", "129", "true"):
+        with pytest.raises(DraftsmithError, match=f"method.draft_vocab_size={bad.replace('true', 'True')}: must be") as info:
+            run(_cfg(tiny_model_dir, tmp_path / f"bad{bad}", "trainer.max_steps=0", f"method.draft_vocab_size={bad}"))
+        assert "\n" not in str(info.value)
+
+
+def test_warm_start_adds_a_reduced_vocab_to_a_trained_draft(tiny_model_dir, tmp_path):
+    """trainer.init_from=<draft> trainer.max_steps=0 method.draft_vocab_size=N: the trained
+    weights, saved again with a reduced vocabulary. The saved folder's config.json differs from
+    a fresh student's in bookkeeping only (here: no `architectures`, as a GGUF-converted
+    verifier's students have); that must not stop the warm start."""
+    import json
+
+    first = run(_cfg(tiny_model_dir, tmp_path / "first"))
+    config = tmp_path / "first" / "final" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": None}))
+    summary = run(_cfg(tiny_model_dir, tmp_path / "v8", "trainer.max_steps=0", "method.draft_vocab_size=8",
+                       f"trainer.init_from={first['drafter_dir']}"))
+    old, _ = load_draft_model(first["drafter_dir"], vocab_size=128)
+    new, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
+    for name, weight in old.state_dict().items():
+        assert torch.equal(new.state_dict()[name], weight), name
+    assert new.draft_vocab.numel() == 8 and meta["warm_start"]["path"] == first["drafter_dir"]
