@@ -8,8 +8,9 @@
 #    methods that train on data=sharegpt-mix (EAGLE-1/3),
 # 2. train each method with trainer=cpu-long for STEPS_<method> steps (README: 200 / 880 / 220, the
 #    ~2 h the box had), a drafter snapshot at every quarter of them: EAGLE-3 on data=sharegpt-mix
-#    (those answers + ShareGPT text); the draft (4 layers, embeddings and lm_head frozen, lr 1e-3)
-#    on data=sharegpt-text, the verifier's token law as the target; Medusa-1 on data=sharegpt-text
+#    (those answers + ShareGPT text); the draft (4 layers, embeddings and lm_head frozen, lr 1e-3,
+#    drafting from its 8,192 most frequent targets) on data=sharegpt-text, the verifier's token law
+#    as the target; Medusa-1 on data=sharegpt-text
 #    (the verifier's greedy tokens as targets), run through the verifier once
 #    (scripts/prepare_features.py, ~27 min; resumes) and trained ~3.4 epochs from the stored
 #    features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
@@ -85,7 +86,7 @@ for m in $METHODS; do
                  python train/medusa.py $(recipe "$steps" sharegpt-text) data.features="$OUT/features-sharegpt-text" \
                      method.draft_vocab_size=8192 method.targets=verifier output_dir="$OUT/$m" "$@" ;;
         draft-fkl) python train/draft.py $(recipe "$steps" sharegpt-text) method=draft-fkl method.student.num_layers=4 \
-                       method.student.trainable=body trainer.lr=1e-3 output_dir="$OUT/$m" "$@" ;;
+                       method.student.trainable=body trainer.lr=1e-3 method.draft_vocab_size=8192 output_dir="$OUT/$m" "$@" ;;
     esac
     case $m in eagle1) ;; draft-fkl) curves+=("runs.draft=$OUT/$m") ;; *) curves+=("runs.$m=$OUT/$m") ;; esac
 done

@@ -156,15 +156,15 @@ def test_compare_all_trains_medusa1_from_features_of_the_same_data(tmp_path):
 def test_compare_all_trains_the_draft_on_sharegpt_text_with_a_frozen_vocabulary(tmp_path):
     """The draft's long recipe (README "A draft with a frozen vocabulary"): ShareGPT text with
     the verifier's law as the target, so no self-distillation; 4 layers, embeddings and lm_head
-    frozen, lr 1e-3, 220 steps with a snapshot every 55; the command composes."""
+    frozen, lr 1e-3, an 8,192-token draft vocabulary, 220 steps with a snapshot every 55; the command composes."""
     from tests.test_documented_commands import check, recorded_python_calls
 
     calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl"})
     assert calls[0][0] == "train/draft.py" and "scripts/generate_selfdistill.py" not in [c[0] for c in calls]
     check(calls[0], "compare_all.sh")
     cfg = compose_config("draft", calls[0][1:])
-    assert (cfg.data.name, cfg.method.name, cfg.method.student.num_layers, cfg.method.student.trainable) == (
-        "sharegpt-text", "draft-fkl", 4, "body")
+    assert (cfg.data.name, cfg.method.name, cfg.method.student.num_layers, cfg.method.student.trainable,
+            cfg.method.draft_vocab_size) == ("sharegpt-text", "draft-fkl", 4, "body", 8192)
     assert (cfg.trainer.max_steps, cfg.trainer.snapshot_every, cfg.trainer.lr) == (220, 55, 1e-3)
     assert cfg.output_dir == f"{tmp_path}/draft-fkl"
 
