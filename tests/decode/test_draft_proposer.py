@@ -85,9 +85,15 @@ def test_greedy_identity(models, case, monkeypatch):
     proposer = make(models, case)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", recorder)
-    drafted: list[int] = []
+    drafted: list[int] = []  # every token the draft proposed
     propose = proposer.propose
-    monkeypatch.setattr(proposer, "propose", lambda *a: (t := propose(*a), drafted.extend(t.tokens[1:].tolist()))[0])
+
+    def recording(*args):
+        tree = propose(*args)
+        drafted.extend(tree.tokens[1:].tolist())
+        return tree
+
+    monkeypatch.setattr(proposer, "propose", recording)
     sizes = []
     for seed, n in [(100, 40), (101, 40), (102, 7), (103, 1), (104, 2)]:
         ids = prompt(seed)
@@ -115,8 +121,7 @@ def test_reduced_vocab_logits_and_refusals(models):
     proposer = DraftModelProposer(close, 128, num_tokens=2, tree_topk=[9], vocab_rows=rows)
     assert proposer.widths == [5]
     ids = prompt(108)[0].tolist()
-    proposer.prefill(torch.tensor(ids), torch.zeros(len(ids), 1), sampling_params(0.0))
-    proposer.cache = __import__("draftsmith.decode.cache", fromlist=["new_cache"]).new_cache(close.config)
+    proposer.prefill(torch.tensor(ids), torch.zeros(len(ids), 1), sampling_params(0.0))  # an empty draft cache
     got = proposer._logits(ids, last_only=True)[0]  # (V,)
     with torch.no_grad():
         want = close(torch.tensor([ids])).logits[0, -1]
