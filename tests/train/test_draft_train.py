@@ -83,6 +83,8 @@ def test_offline_top_k_teacher(tiny_model_dir, tmp_path):
         "data=tiny", "dtype=float32", "topk=16", f"output_dir={features}"]))
     summary = run(_cfg(tiny_model_dir, tmp_path / "run", f"data.features={features}"))
     assert summary["steps"] == 4
+    reduced = run(_cfg(tiny_model_dir, tmp_path / "reduced", f"data.features={features}", "method.draft_vocab_size=8"))
+    assert load_draft_model(reduced["drafter_dir"], vocab_size=128)[0].draft_vocab.numel() == 8  # counted from features
     with pytest.raises(DraftsmithError, match="needs the verifier online"):
         run(_cfg(tiny_model_dir, tmp_path / "run2", f"data.features={features}", "method.onpolicy.ratio=0.5"))
     plain = tmp_path / "plain"
