@@ -29,7 +29,7 @@ from draftsmith.models.draft import build_student
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
-from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts
+from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.data import collate_batch, next_token_positions
@@ -138,12 +138,10 @@ def run(cfg: DictConfig) -> dict:
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab:
             raise DraftsmithError(f"method.draft_vocab_size={size}: must be null (the whole vocabulary) or "
                                   f"1..{vocab}, e.g. method.draft_vocab_size=8192")
-        counts = label_counts(data.train.labels() if data.offline else data.train["labels"], vocab)
+        counts = data.target_counts(vocab)
         d2t = draft_vocab(counts, size)
-        rows = torch.zeros(vocab, dtype=torch.bool, device=accelerator.device)
-        rows[d2t.to(accelerator.device)] = True
-        vocab_note = (f"; draft vocabulary of {size:,} of {vocab:,} tokens covers "
-                      f"{counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
+        rows = (target_to_draft(d2t, vocab) >= 0).to(accelerator.device)  # (V,) bool: in the draft vocabulary
+        vocab_note = "; " + loop.vocab_note(counts, d2t)
 
     # Fixed data, or with probability onpolicy.ratio per step the student's own sampled answers.
     generator = torch.Generator().manual_seed(cfg.seed)  # on-policy sampling seeds, advanced per step

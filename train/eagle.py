@@ -32,7 +32,7 @@ from draftsmith.models.eagle import EagleConfig, EagleDrafter
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import default_fusion_layers, resolve_layers, resolve_path
-from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts
+from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.features import read_manifest
@@ -215,8 +215,7 @@ def run(cfg: DictConfig) -> dict:
     layers = config.fusion_layers
     drafter = EagleDrafter(config)
     if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
-        counts = label_counts(data.train.labels() if data.offline else data.train["labels"], config.vocab_size)
-        drafter.set_draft_vocab(draft_vocab(counts, config.draft_vocab_size), lm_head)
+        drafter.set_draft_vocab(draft_vocab(data.target_counts(config.vocab_size), config.draft_vocab_size), lm_head)
     warm = loop.warm_start(cfg.trainer.init_from, drafter, "eagle", cfg.trainer.keep_vocab)
     drafter.to(accelerator.device)
 

@@ -45,7 +45,7 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, MedusaJoint
 from draftsmith.models.verifier import fingerprint, load_verifier
-from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, label_counts, target_to_draft
+from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.data import next_token_positions
@@ -376,11 +376,10 @@ def run(cfg: DictConfig) -> dict:
     d2t = t2d = None
     vocab_note = "full vocabulary"
     if config.draft_vocab_size:
-        counts = label_counts(data.train.labels() if data.offline else data.train["labels"], config.vocab_size)
+        counts = data.target_counts(config.vocab_size)
         d2t = draft_vocab(counts, config.draft_vocab_size)
         t2d = target_to_draft(d2t, config.vocab_size).to(accelerator.device)
-        vocab_note = (f"draft vocabulary of {config.draft_vocab_size:,} of {config.vocab_size:,} tokens covers "
-                      f"{counts[d2t].sum() / max(counts.sum(), 1):.1%} of the training targets")
+        vocab_note = loop.vocab_note(counts, d2t)
     if mcfg.backbone != "frozen":
         return run_medusa2(cfg, accelerator, config, verifier, data, eval_loader, t2d, d2t)
     heads = MedusaHeads(config, lm_head, token_map=d2t).to(accelerator.device)
@@ -388,8 +387,7 @@ def run(cfg: DictConfig) -> dict:
     if config.draft_vocab_size:  # the map the heads hold (a warm start's, unless trainer.keep_vocab=false)
         t2d = target_to_draft(heads.token_map.cpu(), config.vocab_size).to(accelerator.device)
         if warm and warm["keep_vocab"]:
-            vocab_note = (f"the warm start's draft vocabulary of {config.draft_vocab_size:,} tokens covers "
-                          f"{counts[heads.token_map.cpu()].sum() / max(counts.sum(), 1):.1%} of the training targets")
+            vocab_note = "the warm start's " + loop.vocab_note(counts, heads.token_map.cpu())
 
     def loss_step(model, batch):
         """The loss step: frozen verifier features, then the heads' weighted CE."""

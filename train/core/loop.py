@@ -35,6 +35,7 @@ from draftsmith.models.draft import save_draft_model
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import load_verifier
+from draftsmith.models.vocab import label_counts
 from draftsmith.train.core.accel import (
     full_copy,
     make_accelerator,
@@ -69,10 +70,22 @@ class TrainData:
     offline: bool
     pad_id: int
 
+    def target_counts(self, vocab_size: int) -> torch.Tensor:
+        """(V,) how often each verifier id is a supervised target of the training split: the
+        ranking a reduced draft vocabulary takes its most frequent ids from (models/vocab.py)."""
+        return label_counts(self.train.labels() if self.offline else self.train["labels"], vocab_size)
+
     def loader(self, ds, batch_size: int, shuffle: bool, seed: int, drop_last: bool = False):
         if self.offline:
             return make_feature_dataloader(ds, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return make_dataloader(ds, batch_size, self.pad_id, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def vocab_note(counts: torch.Tensor, d2t: torch.Tensor) -> str:
+    """The start line's account of a reduced draft vocabulary d2t (N,) under target counts (V,)."""
+    share = counts[d2t].sum() / max(counts.sum(), 1)
+    return (f"draft vocabulary of {d2t.numel():,} of {counts.numel():,} tokens covers {share:.1%} "
+            f"of the training targets")
 
 
 def load_train_data(cfg, tokenizer) -> TrainData:
