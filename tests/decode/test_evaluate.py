@@ -130,6 +130,15 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
                  *extra[2:]))
 
 
+def test_hf_static_path_captures_cuda_graphs_only_on_a_gpu():
+    """HF's own default on a GPU (reduce-overhead: the decode step replayed as a CUDA graph), so the
+    fastest plain decoding there is not timed without it; the CPU compiles plain code."""
+    from draftsmith.decode.evaluate import static_compile_mode
+
+    assert static_compile_mode(torch.device("cuda", 1)) == static_compile_mode("cuda") == "reduce-overhead"
+    assert static_compile_mode(torch.device("cpu")) == "default"
+
+
 def test_hf_static_cache_row_is_compiled_once_and_greedy_identical(tiny_model_dir, tmp_path):
     from torch._dynamo.utils import counters
 
