@@ -32,7 +32,7 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCa
 
 from draftsmith.models.checkpoint import check_fingerprint, read_meta, write_atomic_dir
 from draftsmith.models.errors import DraftsmithError, choose
-from draftsmith.models.verifier import gathered
+from draftsmith.models.verifier import NO_HUB_KERNELS, gathered
 from draftsmith.models.vocab import is_draft_vocab
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # {"d2t": (N,) int64 verifier ids}, beside the HF files
@@ -105,7 +105,7 @@ def pretrained_student(path: str, verifier: PreTrainedModel, verifier_tokenizer)
                                   f"a draft must share the verifier's tokenizer")
     except OSError:
         pass  # no tokenizer files: the size check above is what we can do
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=verifier.dtype)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=verifier.dtype, **NO_HUB_KERNELS)
 
 
 def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) -> PreTrainedModel:
@@ -189,7 +189,7 @@ def load_draft_model(ckpt_dir: str | Path, *, verifier_fingerprint: str | None =
         meta = {"kind": "draft", "note": "plain HF model folder, not trained by draftsmith"}
     else:
         raise DraftsmithError(f"drafter={ckpt_dir}: not a draft model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype, **NO_HUB_KERNELS)
     if vocab_size is not None and model.config.vocab_size != vocab_size:
         raise DraftsmithError(f"drafter={ckpt_dir}: vocabulary of {model.config.vocab_size} tokens, the verifier "
                               f"has {vocab_size}; a draft must share the verifier's tokenizer")

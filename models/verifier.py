@@ -142,6 +142,13 @@ def _unique_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return out
 
 
+# transformers 5 loads a model with use_kernels on by default: it swaps layers for kernels fetched
+# from the Hub. On an offline GPU node that load fails (seen on an H200: "kernels-community/rotary is
+# not available in the local cache"), and online the verifier would run code other than the model
+# it names. draftsmith loads every model (verifier, draft, HF assistant) without them.
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
 def _convert_gguf(model_cfg, target: Path) -> None:
     """Dequantize a packaged GGUF into an HF safetensors folder at `target` (atomic).
 
@@ -161,7 +168,7 @@ def _convert_gguf(model_cfg, target: Path) -> None:
               flush=True)
         t0 = time.time()
         tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32, **NO_HUB_KERNELS)
         if hasattr(model.config, "quantization_config"):  # GGUF weights are already dequantized here
             del model.config.quantization_config
         tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
@@ -338,7 +345,8 @@ def load_verifier(model_cfg, device: str | torch.device = "cpu") -> Verifier:
 
     # straight onto a GPU; not under an active ZeRO-3 config, whose partitioned load refuses a device_map
     placement = {} if device.type == "cpu" or is_deepspeed_zero3_enabled() else {"device_map": str(device)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **placement)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **placement,
+                                                 **NO_HUB_KERNELS)
     model.to(device).eval().requires_grad_(False)
     return Verifier(model=model, tokenizer=tokenizer, fingerprint=fingerprint(model),
                     name=str(model_cfg.name), path=str(path))

@@ -74,6 +74,7 @@ def test_saved_draft_is_an_hf_folder_with_the_verifier_fingerprint(tmp_path):
                            verifier_name="tiny")
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     model, meta = load_draft_model(out, verifier_fingerprint="abc", vocab_size=128)
+    assert model.use_kernels is False  # no layers swapped for Hub kernels (models/verifier.NO_HUB_KERNELS)
     assert meta["kind"] == "draft" and not model.training
     with pytest.raises(DraftsmithError, match="trained against verifier abc"):
         load_draft_model(out, verifier_fingerprint="xyz")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import fingerprint, load_verifier, resolve_device
@@ -35,6 +36,13 @@ def test_load_local_folder_hidden_states_and_lm_head(tiny_folder):
     assert hidden.shape == (1, 3, 32)
     torch.testing.assert_close(v.lm_head(hidden), v.model(input_ids=ids).logits)
     assert not any(p.requires_grad for p in v.model.parameters())
+
+
+def test_loads_without_hub_kernels(tiny_folder):
+    """transformers 5 would kernelize with kernels fetched from the Hub (its default): an offline GPU
+    node then cannot load the verifier at all, and online it would run other code than the model."""
+    assert AutoModelForCausalLM.from_pretrained(tiny_folder).use_kernels  # the default this guards against
+    assert load_verifier(_cfg(tiny_folder)).model.use_kernels is False
 
 
 def test_fingerprint_ignores_dtype_but_sees_weights(tiny_folder):
