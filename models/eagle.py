@@ -48,6 +48,7 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.vocab import check_draft_vocab_size
 
 VARIANTS = ("eagle1", "eagle3")
 LM_HEAD_MODES = ("shared", "own", "gathered")  # shared: the verifier's full lm_head
@@ -85,10 +86,7 @@ class EagleConfig:
                 raise DraftsmithError(f"method.lm_head={self.lm_head} needs method.draft_vocab_size (a reduced "
                                       f"draft vocabulary); use method.lm_head=shared for the full vocabulary")
         else:
-            self.draft_vocab_size = int(self.draft_vocab_size)
-            if not 0 < self.draft_vocab_size <= self.vocab_size:
-                raise DraftsmithError(f"method.draft_vocab_size={self.draft_vocab_size} must be in "
-                                      f"[1, {self.vocab_size}] (the verifier's vocabulary)")
+            check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
             if self.lm_head == "shared":
                 raise DraftsmithError("method.draft_vocab_size needs method.lm_head=own or gathered "
                                       "(shared is the full vocabulary)")

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.vocab import check_draft_vocab_size
 
 LM_HEAD_MODES = ("own", "shared")
 
@@ -46,9 +47,7 @@ class MedusaConfig:
         if self.num_heads < 1 or self.num_layers < 0:
             raise DraftsmithError(f"method.num_heads must be >= 1 and method.num_layers >= 0, "
                                   f"got {self.num_heads}, {self.num_layers}")
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise DraftsmithError(f"method.draft_vocab_size={self.draft_vocab_size}: must be null or "
-                                  f"1..{self.vocab_size} (the verifier's vocabulary)")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
 
     @property
     def out_size(self) -> int:

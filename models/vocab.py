@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.models.errors import DraftsmithError
+
 IGNORE_INDEX = -100  # label of an unsupervised position (HF / torch cross_entropy convention)
 
 
@@ -25,6 +27,17 @@ def draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     broken by the lower id; unseen tokens fill up in id order)."""
     order = torch.sort(-counts.double(), stable=True).indices  # (V,) most frequent first
     return order[:size].sort().values
+
+
+def check_draft_vocab_size(size, vocab_size: int) -> int | None:
+    """method.draft_vocab_size of every drafter: None (the whole vocabulary) or an int in
+    1..vocab_size, else a one-line DraftsmithError naming the field."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab_size:
+        raise DraftsmithError(f"method.draft_vocab_size={size}: must be in [1, {vocab_size}] (the verifier's "
+                              f"vocabulary), or null for the whole vocabulary; e.g. method.draft_vocab_size=8192")
+    return size
 
 
 def is_draft_vocab(d2t: torch.Tensor, vocab_size: int) -> bool:

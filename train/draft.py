@@ -29,7 +29,7 @@ from draftsmith.models.draft import build_student
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
-from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab, target_to_draft
+from draftsmith.models.vocab import IGNORE_INDEX, check_draft_vocab_size, draft_vocab, target_to_draft
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.data import collate_batch, next_token_positions
@@ -134,12 +134,9 @@ def run(cfg: DictConfig) -> dict:
     data, eval_loader = loop.training_data(cfg, accelerator, verifier.tokenizer)
     d2t, rows, vocab_note = None, None, ""
     if mcfg.get("draft_vocab_size") is not None:  # the most frequent targets of the training split
-        vocab, size = student.config.vocab_size, mcfg.draft_vocab_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab:
-            raise DraftsmithError(f"method.draft_vocab_size={size}: must be null (the whole vocabulary) or "
-                                  f"1..{vocab}, e.g. method.draft_vocab_size=8192")
+        vocab = student.config.vocab_size
         counts = data.target_counts(vocab)
-        d2t = draft_vocab(counts, size)
+        d2t = draft_vocab(counts, check_draft_vocab_size(mcfg.draft_vocab_size, vocab))
         rows = (target_to_draft(d2t, vocab) >= 0).to(accelerator.device)  # (V,) bool: in the draft vocabulary
         vocab_note = "; " + loop.vocab_note(counts, d2t)
 

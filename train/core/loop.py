@@ -29,6 +29,7 @@ import torch
 from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
+from transformers import PreTrainedConfig
 
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.draft import save_draft_model
@@ -261,10 +262,12 @@ def warm_start(path, module: torch.nn.Module, kind: str, keep_vocab: bool = True
     if init.kind != kind:
         raise DraftsmithError(f"{field}={path} is a {init.kind!r} drafter; this run trains {kind!r} "
                               f"(warm-start from a drafter of the same method)")
-    # medusa / eagle: name the setting. A draft's HF config is a dataclass too (transformers 5) but
-    # holds bookkeeping (architectures, _name_or_path) that differs between a saved and a fresh
-    # model of the same shape: the shapes below are what must match.
-    if kind != "draft" and dataclasses.is_dataclass(init.config) and hasattr(module, "config"):
+    # draftsmith's own drafter configs (medusa / eagle): name the setting that differs. An HF
+    # config (a draft's) is a dataclass too in transformers 5, but holds bookkeeping
+    # (architectures, _name_or_path) that differs between a saved and a fresh model of the same
+    # shape: for it the shapes below are what must match.
+    if (dataclasses.is_dataclass(init.config) and not isinstance(init.config, PreTrainedConfig)
+            and hasattr(module, "config")):
         there, here = dataclasses.asdict(init.config), dataclasses.asdict(module.config)
         differ = [f"{k}: {there[k]} there, {here[k]} here" for k in here
                   if k != "decoder_config" and there.get(k) != here[k]]
