@@ -30,10 +30,17 @@ its lm_head only, and every other token gets logit -inf, so q is exactly zero th
 lossless: greedy drafts the argmax over the rows, sampling draws from that q and reports it,
 and the verifier checks every token; only the draft's guesses outside the rows are lost.
 
+Int8 weights. ``quant="int8"`` drafts with every linear layer of the draft (its layers and its
+lm_head rows) kept as int8 rows with one scale each (decode/quant.py): a one-token draft
+forward is memory-bound, so it costs about half. The int8 draft is the draft: greedy takes its
+argmax, sampling draws from and reports its own q, so the rules stay exact.
+
 Draft length. ``length_schedule="fixed"`` drafts ``num_tokens`` each step; ``"heuristic"``
 (HF assisted generation's schedule) adds 2 after a step whose whole draft was accepted and
 takes 1 off otherwise, within [min_tokens, max_tokens], and keeps the length across generate
-calls. ``confidence > 0`` stops growing a branch below depth 1 when the draft's largest
+calls. "Whole draft accepted" means the accepted path holds the draft's own deepest node: with
+prompt lookup grafted on (decode/lookup.py), a grafted branch that leaves the draft's chain and
+runs deeper is the lookup's success, not the draft's, and does not lengthen the draft. ``confidence > 0`` stops growing a branch below depth 1 when the draft's largest
 probability at its tip is below the threshold. Both stay lossless: a step's tree shape
 depends only on earlier steps and on the draft's own state and draws, never on this step's
 verification, and the rules are exact for any tree so drafted.
@@ -49,6 +56,7 @@ from transformers.cache_utils import Cache
 from draftsmith.decode import sampling
 from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer
+from draftsmith.decode.quant import QUANTS, int8_copy, int8_linear, quantize_rows
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.decode.tree import additive_mask, ancestor_mask
 from draftsmith.models.errors import DraftsmithError, choose
@@ -104,6 +112,8 @@ class DraftModelProposer(Proposer):
       seed: seed of the proposer's own generator for the draft's samples.
       vocab_rows: (N,) increasing verifier ids the draft drafts from (its reduced vocabulary);
         None = all V.
+      quant: "none" (the weights as given) or "int8" (int8 rows and scales, decode/quant.py;
+        the given model is not changed).
     """
 
     name = "draft"
@@ -120,6 +130,7 @@ class DraftModelProposer(Proposer):
         confidence: float = 0.0,
         seed: int = 0,
         vocab_rows: torch.Tensor | None = None,
+        quant: str = "none",
     ):
         lm_head = model.get_output_embeddings()
         draft_vocab = int(lm_head.weight.shape[0])
@@ -129,6 +140,7 @@ class DraftModelProposer(Proposer):
                 "pass a draft that shares the verifier's tokenizer (drafter=...)"
             )
         self.length_schedule = choose(LENGTH_SCHEDULES, length_schedule, "decode.length_schedule")
+        self.quant = choose(QUANTS, quant, "decode.draft_quant")
         max_tokens = 2 * num_tokens if max_tokens is None else max_tokens
         if not 1 <= min_tokens <= num_tokens <= max_tokens:
             raise DraftsmithError(
@@ -160,6 +172,11 @@ class DraftModelProposer(Proposer):
             self.row_weight = lm_head.weight[self.rows].contiguous()  # (N, H)
             self.row_bias = None if lm_head.bias is None else lm_head.bias[self.rows].contiguous()
             draft_vocab = rows.numel()
+        self.project = lambda h: F.linear(h, self.row_weight, self.row_bias)  # (m, H) -> (m, N)
+        if self.quant == "int8":
+            self.decoder = int8_copy(self.decoder)
+            q, scale = quantize_rows(self.row_weight)  # (N, H) int8, (N,)
+            self.project = lambda h: int8_linear(h, q, scale, self.row_bias)
         self.widths = [min(w, draft_vocab) for w in widths]
         self.length = int(num_tokens)
         self.min_tokens, self.max_tokens = int(min_tokens), int(max_tokens)
@@ -193,7 +210,7 @@ class DraftModelProposer(Proposer):
             attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
         ).last_hidden_state[0]  # (m, H)
         hidden = hidden[-1:] if last_only else hidden
-        logits = F.linear(hidden, self.row_weight, self.row_bias)  # (m, N): N = V without vocab_rows
+        logits = self.project(hidden)  # (m, N): N = V without vocab_rows
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.rows is None:
             return logits
@@ -250,6 +267,7 @@ class DraftModelProposer(Proposer):
             frontier = new
         self.fed = fed
         self.drafted_depth = max(depths)
+        self.drafted = len(tokens)  # nodes 0..drafted-1 are the draft's (a graft appends after them)
         return self._tree(tokens, parents, laws)
 
     def _tree(self, tokens: list[int], parents: list[int], laws: dict[int, torch.Tensor]) -> DraftTree:
@@ -274,7 +292,9 @@ class DraftModelProposer(Proposer):
         self.cached += len(kept)
         self.fed = 0
         if self.length_schedule == "heuristic":
-            if len(path) - 1 >= self.drafted_depth:  # deeper: a prompt-lookup graft (decode/lookup.py) went on
+            # the whole draft accepted: the path reaches the draft's deepest level through its own
+            # nodes (a prompt-lookup graft may carry it deeper, or past a rejected draft node)
+            if len(path) > self.drafted_depth and path[self.drafted_depth] < self.drafted:
                 self.length = min(self.max_tokens, self.length + 2)
             else:
                 self.length = max(self.min_tokens, self.length - 1)

@@ -26,6 +26,11 @@ so the engine's rules accept losslessly: greedy at T=0, recursive rejection samp
 verification forward itself: ``accept`` receives the verifier's hidden states of every tree
 node (and, for EAGLE-3, the fusion layers' states via ``layer_hidden``; the engine asks the
 verifier for them because this proposer has ``feature_layers``).
+
+``quant="int8"`` drafts with an int8 copy of the drafter (decode/quant.py: every linear layer of
+the drafter, its own lm_head included, as int8 rows and scales; the verifier's embedding and
+lm_head, when the drafter borrows them, are never touched). Still top-k children of the int8
+drafter's own distribution, so the same rules stay exact.
 """
 from __future__ import annotations
 
@@ -36,9 +41,10 @@ from torch import nn
 
 from draftsmith.decode.cache import new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain
+from draftsmith.decode.quant import QUANTS, int8_copy
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
-from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError, choose
 
 
 class EagleProposer(Proposer):
@@ -48,14 +54,16 @@ class EagleProposer(Proposer):
     verifier's (shared, frozen). Give either ``paths`` (Medusa format, e.g. a chain
     [[0], [0, 0], ...]) or ``depth``, ``top_k`` and ``total_tokens`` (EAGLE-2: expand the top_k
     nodes per depth, up to depth `depth`, keep `total_tokens` nodes including the root).
+    ``quant``: "none" or "int8" (an int8 copy of the drafter drafts; the one given is not changed).
     """
 
     name = "eagle"
 
     def __init__(self, drafter: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module | None,
                  paths: Sequence[Sequence[int]] | None = None, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None):
-        self.drafter = drafter.eval()
+                 top_k: int | None = None, total_tokens: int | None = None, quant: str = "none"):
+        self.quant = choose(QUANTS, quant, "decode.draft_quant")
+        self.drafter = int8_copy(drafter.eval()) if self.quant == "int8" else drafter.eval()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         cfg = drafter.config

@@ -201,9 +201,9 @@ def make_proposer(name: str, **kwargs) -> Proposer:
     """Build the proposer registered under ``name`` with its constructor's keyword arguments.
 
     vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None);
-    eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens);
+    eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens, quant="none");
     draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed,
-           vocab_rows=None);
+           vocab_rows=None, quant="none");
     prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device);
     lookahead: (lm_head, window, ngram, guess_set, pool_from_prompt, seed, device).
     Unknown names raise a one-line DraftsmithError listing the valid ones.
@@ -230,12 +230,15 @@ def _medusa_from(drafter, verifier, d, seed):
     if "paths" not in d:
         raise DraftsmithError(f"decode={d.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
                               f"a static tree such as decode=medusa-small")
+    if d.get("draft_quant", "none") != "none":  # an eagle-* preset's key: refused, not ignored
+        raise DraftsmithError(f"decode.draft_quant={d.draft_quant}: int8 drafting is for EAGLE drafters and draft "
+                              f"models; Medusa heads draft through the verifier's lm_head: set decode.draft_quant=none")
     return make_proposer("medusa", heads=drafter.module, paths=[tuple(p) for p in d.paths], lm_head=verifier.lm_head)
 
 
 def _eagle_from(drafter, verifier, d, seed):
     return make_proposer("eagle", drafter=drafter.module, embed_tokens=verifier.embed_tokens,
-                         lm_head=verifier.lm_head, **eagle_tree(d))
+                         lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"), **eagle_tree(d))
 
 
 def _draft_from(drafter, verifier, d, seed):
@@ -247,7 +250,8 @@ def _draft_from(drafter, verifier, d, seed):
     return make_proposer("draft", model=drafter.module, vocab_size=verifier.lm_head.weight.shape[0],
                          num_tokens=d.num_tokens, tree_topk=list(d.tree_topk), length_schedule=d.length_schedule,
                          min_tokens=d.min_tokens, max_tokens=d.max_tokens, confidence=d.confidence, seed=seed,
-                         vocab_rows=getattr(drafter.module, "draft_vocab", None) if saved else None)
+                         vocab_rows=getattr(drafter.module, "draft_vocab", None) if saved else None,
+                         quant=d.get("draft_quant", "none"))
 
 
 # drafter kind (models/checkpoint.py) -> proposer factory (drafter, verifier, decode preset, seed)

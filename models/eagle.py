@@ -236,6 +236,12 @@ class EagleDrafter(nn.Module):
     def init_lm_head(self, verifier_lm_head: nn.Linear) -> None:
         self.lm_head.weight.copy_(verifier_lm_head.weight[self.target_ids.to(verifier_lm_head.weight.device)])
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the drafter computes in: its norm's (not fc's weight, which an int8 copy of
+        the drafter, decode/quant.py, keeps as int8 rows)."""
+        return self.layer.post_attention_layernorm.weight.dtype
+
     def input_features(self, hidden: torch.Tensor | None, layer_hidden: torch.Tensor | None) -> torch.Tensor:
         """The verifier's state the drafter reads: hidden (..., H) for EAGLE-1, fc(layer_hidden
         (..., L*H)) for EAGLE-3. The drafter's own outputs are fed back as they are."""
@@ -243,8 +249,8 @@ class EagleDrafter(nn.Module):
             if layer_hidden is None:
                 raise DraftsmithError("the EAGLE-3 drafter needs the verifier's fusion-layer states "
                                       f"(layers {self.config.fusion_layers}); none were given")
-            return self.fc(layer_hidden.to(self.fc.weight.dtype))
-        return hidden.to(self.fc.weight.dtype)
+            return self.fc(layer_hidden.to(self.compute_dtype))
+        return hidden.to(self.compute_dtype)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
                 cache=None) -> torch.Tensor:
@@ -255,7 +261,7 @@ class EagleDrafter(nn.Module):
         (B, 1, T, past + T) for trees and unrolled steps; position_ids (B, T), default past + arange(T);
         cache: a Cache of this one layer (`new_cache`)."""
         B, T, _ = embeds.shape
-        dtype = self.fc.weight.dtype
+        dtype = self.compute_dtype
         embeds, features = embeds.to(dtype), features.to(dtype)
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:

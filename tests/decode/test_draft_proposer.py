@@ -8,7 +8,11 @@
   tests/decode/test_engine.py) with a draft whose q is far from p, for a chain, a tree and an
   adaptive/confidence-cut draft; a rule that resamples from p after a rejection fails it;
 - a reduced draft vocabulary (``vocab_rows``): q is zero outside the rows, greedy output and
-  the sampled law stay the verifier's, and a proposer that drafts outside the rows is caught.
+  the sampled law stay the verifier's, and a proposer that drafts outside the rows is caught;
+- int8 draft weights (``quant="int8"``, decode/quant.py): greedy identity, the exact law, and
+  the reported q is the int8 draft's own law, not the float draft's;
+- the heuristic length grows only when the draft's own deepest node is accepted, not when a
+  grafted prompt-lookup branch runs deeper.
 """
 
 import copy
@@ -70,6 +74,7 @@ GREEDY_CASES = {
     "other-arch-tree": ("other", dict(num_tokens=3, tree_topk=[4, 2])),
     # a reduced vocabulary of the even ids: every odd verifier token is a sure rejection
     "reduced-vocab-tree": ("close", dict(num_tokens=4, tree_topk=[2], vocab_rows=torch.arange(0, 128, 2))),
+    "int8-tree": ("close", dict(num_tokens=4, tree_topk=[2], quant="int8")),
 }
 
 
@@ -233,6 +238,58 @@ def test_reported_q_of_a_reduced_vocab_is_zero_outside_it(models):
     assert all(int(t) % 3 == 1 for t in tree.tokens[1:])
 
 
+def test_reported_q_of_an_int8_draft_is_its_own_law(models):
+    """quant="int8": q is the law of the draft with int8 rows (its layers and its lm_head
+    rows), not of the float draft, and the draft model handed in keeps its float weights."""
+    from draftsmith.decode.quant import int8_copy
+
+    verifier, drafts = models
+    close, rows = drafts["close"], torch.arange(0, 128, 2)
+    proposer = DraftModelProposer(close, 128, num_tokens=2, tree_topk=[3], vocab_rows=rows, quant="int8")
+    assert sum(isinstance(m, torch.nn.Linear) for m in close.modules()) == 2 * 7 + 1  # untouched
+    ids = prompt(110)[0]
+    proposer.prefill(ids, torch.zeros(len(ids), 1), sampling_params(0.05))
+    tree = proposer.propose(42, torch.zeros(1), [*ids.tolist(), 42])
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[rows] = False
+    with torch.no_grad():
+        context = torch.tensor([[*ids.tolist(), 42]])
+        int8_logits = int8_copy(close)(context).logits[0, -1]  # (V,): the lm_head quantized row by row too
+        float_logits = close(context).logits[0, -1]
+    want = logits_to_probs(int8_logits.masked_fill(outside, float("-inf")), 0.05, 0, 1.0)
+    torch.testing.assert_close(tree.draft_probs[0], want, rtol=0, atol=1e-12)
+    unquantized = logits_to_probs(float_logits.masked_fill(outside, float("-inf")), 0.05, 0, 1.0)
+    assert float((tree.draft_probs[0] - unquantized).abs().max()) > 1e-6  # the int8 weights really ran
+
+
+def test_heuristic_length_grows_only_when_the_drafts_deepest_node_is_accepted(models):
+    """With prompt lookup grafted on, the accepted path may leave the draft's chain at depth 1
+    and run deeper through grafted nodes: that is the lookup's success, and the draft length
+    falls by 1; a path through the draft's own deepest node (grafted nodes may continue it)
+    lengthens it by 2, HF's rule."""
+    verifier, drafts = models
+    ids = prompt(111)[0]
+
+    def step(grafted_tokens, grafted_parents, path):
+        """Draft root + 2 nodes, graft nodes 3.. onto them, accept `path` -> the next length."""
+        proposer = DraftModelProposer(drafts["close"], 128, num_tokens=2, length_schedule="heuristic", max_tokens=8)
+        proposer.prefill(ids, torch.zeros(len(ids), 1), sampling_params(0.0))
+        tree = proposer.propose(42, torch.zeros(1), [*ids.tolist(), 42])
+        assert tree.parents.tolist() == [-1, 0, 1]
+        a = int(tree.tokens[1])
+        tokens = tree.tokens.tolist() + [(a + 1) % 128 if t is None else t for t in grafted_tokens]
+        grafted = type(tree)(tokens=torch.tensor(tokens), parents=torch.tensor([-1, 0, 1, *grafted_parents]))
+        proposer.accept(grafted, path, 7, torch.zeros(len(tokens), 1))
+        return proposer.length
+
+    # a graft leaving at the root (None: a token other than the draft's first) and running 3
+    # deep: the path 0 -> 3 -> 4 -> 5 holds no draft node
+    assert step([None, 5, 6], [0, 3, 4], [0, 3, 4, 5]) == 1
+    assert step([9], [2], [0, 1, 2, 3]) == 4  # the draft's chain accepted and the graft continues it
+    assert step([], [], [0, 1, 2]) == 4  # the draft's chain alone, fully accepted
+    assert step([], [], [0, 1]) == 1  # its second node rejected
+
+
 def sampling_params(temperature, top_k=0, top_p=1.0):
     from draftsmith.decode.proposers import SamplingParams
 
@@ -266,6 +323,9 @@ def test_config_errors_are_one_line(models):
         DraftModelProposer(models[1]["close"], 128, length_schedule="grow")
     with pytest.raises(DraftsmithError, match="decode.min_tokens"):
         DraftModelProposer(models[1]["close"], 128, num_tokens=4, max_tokens=2)
+    with pytest.raises(DraftsmithError, match="decode.draft_quant='int4'.*valid: int8, none") as info:
+        DraftModelProposer(models[1]["close"], 128, quant="int4")
+    assert "\n" not in str(info.value)
     eager_free = tiny_llama()
     eager_free.config._attn_implementation = "flash_attention_2"  # takes no 4D float mask
     with pytest.raises(DraftsmithError, match="decode.tree_topk"):
@@ -304,6 +364,7 @@ LAW_CASES = {
     # q is zero on tokens 3, 5 and 7, which the verifier's law still reaches through (p - q)+
     "reduced-vocab-tree-T1": (25.0, dict(num_tokens=2, tree_topk=[2], vocab_rows=torch.tensor([0, 1, 2, 4, 6])),
                               1.0, 0, 1.0),
+    "int8-chain-T1": (25.0, dict(num_tokens=2, quant="int8"), 1.0, 0, 1.0),
 }
 
 

@@ -120,6 +120,33 @@ def test_greedy_identity(greedy_setup, variant, tree, monkeypatch):
         assert max(s.num_nodes for s in steps) == DYNAMIC["total_tokens"]
 
 
+@pytest.mark.parametrize("variant, tree", [("eagle1", "static"), ("eagle3", "dynamic")])
+def test_greedy_identity_with_an_int8_drafter(greedy_setup, variant, tree):
+    """quant="int8": an int8 copy of the drafter drafts (its own lm_head too: eagle3 here has a
+    64-token one), the drafter handed in keeps its weights, the output is still the verifier's."""
+    from draftsmith.decode.quant import Int8Linear
+
+    model, drafters = greedy_setup
+    drafter = drafters[variant]
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    proposer = make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
+                             lm_head=model.lm_head, quant="int8", **TREES[tree])
+    assert any(isinstance(m, Int8Linear) for m in proposer.drafter.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in proposer.drafter.modules())
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the verifier's lm_head is never quantized
+    steps = []
+    for seed, n in [(1, 40), (2, 40)]:
+        ids = prompt(seed, length=10 + seed)
+        out = generate(model, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
+        assert out.tokens == reference(model, ids, n, eos_token_id=None), (variant, tree, seed)
+        steps += out.steps
+    assert sum(s.emitted for s in steps) / len(steps) > 1.5 and any(s.accepted == 0 for s in steps)
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="decode.draft_quant='int4'.*valid: int8, none"):
+        make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
+                      lm_head=model.lm_head, quant="int4", **TREES[tree])
+
+
 def test_greedy_identity_with_eos(greedy_setup):
     model, drafters = greedy_setup
     ids = prompt(5)
@@ -247,6 +274,7 @@ LAW_CASES = {
     "chain-T1-topk6": (dict(paths=tree_paths("chain4")), 25.0, 1.0, 6, 1.0),
     "static-T0.7-topp0.9": (dict(paths=tree_paths("medusa-small")), 10.0, 0.7, 0, 0.9),
     "dynamic-T1": (dict(depth=3, top_k=2, total_tokens=6), 10.0, 1.0, 0, 1.0),
+    "int8-dynamic-T1": (dict(depth=3, top_k=2, total_tokens=6, quant="int8"), 10.0, 1.0, 0, 1.0),
 }
 
 

@@ -108,6 +108,12 @@ def test_reduced_draft_vocab_is_saved_beside_the_hf_files_and_drafted_from(tmp_p
     saved = drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved"}))
     assert torch.equal(saved.rows, d2t)
     assert drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "full"})).rows is None
+    int8 = drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved", "draft_quant": "int8"}))
+    assert int8.quant == "int8" and torch.equal(int8.rows, d2t)  # decode.draft_quant reaches the proposer
+    assert saved.quant == "none"  # the presets' default; the drafter's own module keeps its float weights
+    assert isinstance(drafter.module.lm_head, torch.nn.Linear)
+    with pytest.raises(DraftsmithError, match="decode.draft_quant='fp4'.*valid: int8, none"):
+        drafter.proposer(target, OmegaConf.create({**preset, "draft_quant": "fp4"}))
     with pytest.raises(DraftsmithError, match="decode.draft_vocab='some'.*valid: full, saved"):
         drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "some"}))
     plain = save_draft_model(tmp_path / "plain", student, tiny_tokenizer(), verifier_fingerprint="abc",
