@@ -32,16 +32,17 @@ and the verifier checks every token; only the draft's guesses outside the rows a
 
 Int8 weights. ``quant="int8"`` drafts with every linear layer of the draft (its layers and its
 lm_head rows) kept as int8 rows with one scale each (decode/quant.py): a one-token draft
-forward is memory-bound, so it costs about half. The int8 draft is the draft: greedy takes its
-argmax, sampling draws from and reports its own q, so the rules stay exact.
+forward is memory-bound, so reading half the bytes makes it cheaper. The int8 draft is the
+draft: greedy takes its argmax, sampling draws from and reports its own q, so the rules stay exact.
 
 Draft length. ``length_schedule="fixed"`` drafts ``num_tokens`` each step; ``"heuristic"``
 (HF assisted generation's schedule) adds 2 after a step whose whole draft was accepted and
 takes 1 off otherwise, within [min_tokens, max_tokens], and keeps the length across generate
 calls. "Whole draft accepted" means the accepted path holds the draft's own deepest node: with
 prompt lookup grafted on (decode/lookup.py), a grafted branch that leaves the draft's chain and
-runs deeper is the lookup's success, not the draft's, and does not lengthen the draft. ``confidence > 0`` stops growing a branch below depth 1 when the draft's largest
-probability at its tip is below the threshold. Both stay lossless: a step's tree shape
+runs deeper is the lookup's success, not the draft's, and does not lengthen the draft.
+``confidence > 0`` stops growing a branch below depth 1 when the draft's largest probability at
+its tip is below the threshold. Both stay lossless: a step's tree shape
 depends only on earlier steps and on the draft's own state and draws, never on this step's
 verification, and the rules are exact for any tree so drafted.
 """

@@ -22,8 +22,9 @@
 #    lookahead and the HF baselines (HF assisted generation with the draft, at both schedules),
 #    plain decoding in fp32 and bf16 (and HF's static cache + compile) for the fastest-plain ratio,
 #    every trained drafter also with prompt lookup grafted onto its tree (<method>-pl, GRAFT=0: not),
+#    and the draft as decode=draft-cpu too (draft-fkl-cpu: int8 weights, its top-2 at depth 1, the graft),
 #    then the trained drafters on MT-bench at T=0.7 (scripts/compare.py; speedups against plain
-#    decoding in the same run; a draft model's graft is greedy only, so no draft-fkl-pl there).
+#    decoding in the same run; a draft model's graft is greedy only, so no draft-fkl-pl or -cpu there).
 # Extra arguments are Hydra overrides for every training command.
 set -euo pipefail
 NUM_PROMPTS=${NUM_PROMPTS:-1024}
@@ -121,7 +122,9 @@ if [ $with_eagle3 = 1 ]; then
 fi
 grafted=""  # every trained drafter again with prompt lookup grafted onto its tree
 if [ "$GRAFT" = 1 ]; then grafted=$(printf ' %s-pl' $METHODS); fi
-only=$(echo "$METHODS$grafted prompt-lookup lookahead" | tr ' ' ',')
+cpu=""  # the draft as sized for the CPUs (decode=draft-cpu, greedy only: it grafts)
+case " $METHODS " in *" draft-fkl "*) if [ "$GRAFT" = 1 ]; then cpu=" draft-fkl-cpu"; fi ;; esac
+only=$(echo "$METHODS$grafted$cpu prompt-lookup lookahead" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
     num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS${grafted/ draft-fkl-pl/}" | tr ' ' ',')

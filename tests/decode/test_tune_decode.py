@@ -124,7 +124,7 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1 draft-fkl"})
     assert [c[0] for c in no_eagle].count("train/eagle.py") == 0
     only = [compose_config("compare", c[1:]).only for c in no_eagle if c[0] == "scripts/compare.py"]
-    assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "prompt-lookup", "lookahead"],
+    assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead"],
                     ["medusa1", "draft-fkl", "medusa1-pl"]]  # a draft model's graft is greedy only
     ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1",
                                                                       "GRAFT": "0"})
@@ -185,3 +185,24 @@ def test_compare_all_refuses_a_bad_setting_before_any_work(env, message):
     proc = subprocess.run(["bash", "scripts/compare_all.sh"], env={**env, "PATH": "/usr/bin:/bin"},
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
+
+
+def test_compare_all_compares_the_draft_as_sized_for_the_cpus(tmp_path):
+    """With the draft among METHODS, the greedy comparison also runs it as decode=draft-cpu
+    (int8, top-2 at depth 1, the graft); the T=0.7 run leaves out both grafted draft rows (the
+    graft is greedy only: decode/evaluate.py refuses it at T > 0)."""
+    from tests.test_documented_commands import check, recorded_python_calls
+
+    calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl"})
+    greedy, t07 = [c for c in calls if c[0] == "scripts/compare.py"]
+    for call in (greedy, t07):
+        check(call, "compare_all.sh")
+    cfg = compose_config("compare", greedy[1:])
+    assert cfg.only == ["draft-fkl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead"]
+    assert list(cfg.methods["draft-fkl-cpu"]) == ["method=draft", f"drafter={tmp_path}/draft-fkl/final", "decode=draft-cpu"]
+    assert compose_config("compare", t07[1:]).only == ["draft-fkl"]
+    ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl",
+                                                                      "GRAFT": "0"})
+    assert compose_config("compare", [c for c in ungrafted if c[0] == "scripts/compare.py"][0][1:]).only == [
+        "draft-fkl", "prompt-lookup", "lookahead"]
+
