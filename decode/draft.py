@@ -110,7 +110,8 @@ class DraftModelProposer(Proposer):
       min_tokens / max_tokens: bounds of the heuristic schedule (max defaults to 2*num_tokens).
       confidence: stop a branch below depth 1 when its largest draft probability is below this
         (0 = off). The probability is of q at temperature > 0, of softmax(logits) when greedy.
-      seed: seed of the proposer's own generator for the draft's samples.
+      seed: seed of the proposer's own generator for the draft's samples (the engine reseeds it
+        from the call's generator before each sampled call: ``seed_draws``).
       vocab_rows: (N,) increasing verifier ids the draft drafts from (its reduced vocabulary);
         None = all V.
       quant: "none" (the weights as given) or "int8" (int8 rows and scales, decode/quant.py;
@@ -194,6 +195,9 @@ class DraftModelProposer(Proposer):
 
     def samples_drafts(self, sampling: SamplingParams) -> bool:
         return not sampling.greedy  # greedy drafts the argmax; T > 0 draws from q
+
+    def seed_draws(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
 
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
         """A fresh draft cache; the prompt is fed with the first root in the first ``propose``

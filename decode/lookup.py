@@ -192,6 +192,12 @@ class PromptLookupGraft(Proposer):
         then every call decodes with the drafter's tree alone."""
         return self.inner.samples_drafts(sampling)
 
+    def samples_drafts(self, sampling: SamplingParams) -> bool:
+        return self.inner.samples_drafts(sampling)
+
+    def seed_draws(self, seed: int) -> None:
+        self.inner.seed_draws(seed)
+
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams, **extra) -> None:
         self.active = not self.grafts_nothing(sampling)
         self.inner.prefill(prompt_ids, hidden, sampling, **extra)

@@ -18,7 +18,10 @@ The engine (decode/engine.py) drives every proposer through the same four calls:
 - ``sampling`` (SamplingParams) tells a proposer that SAMPLES drafts how the engine processes
   the target law; it must draw from, and report in ``DraftTree.draft_probs``, the same
   transform of its own logits (decode.sampling.logits_to_probs), or the rejection rule is
-  exact but accepts less. Such a proposer says so in ``samples_drafts(sampling)``.
+  exact but accepts less. Such a proposer says so in ``samples_drafts(sampling)``, and the engine
+  then calls ``seed_draws(seed)`` before ``prefill`` with a seed drawn from the call's generator:
+  its draws follow the request's seed (a seeded request is reproducible) and are fresh on every
+  call (a fixed stream would repeat the same "sample" and bias the law).
 
 Adding a proposer: subclass ``Proposer``, implement ``propose`` (and ``prefill``/``accept`` if it
 keeps state: a draft model's or EAGLE's own KV cache is rolled back to the accepted path in
@@ -96,6 +99,9 @@ class Proposer:
         """Whether this proposer's trees carry sampled children (draft_probs) under `sampling`;
         False = every child is a deterministic function of the context (q = delta)."""
         return False
+
+    def seed_draws(self, seed: int) -> None:
+        """Reseed the proposer's own draws for the next call (only when ``samples_drafts``)."""
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         """The tree to verify this step; hidden (H,) is the verifier's state before the root."""

@@ -185,11 +185,37 @@ def test_draft_cache_stays_in_sync(models, case, temperature):
     verifier, drafts = models
     _, kwargs = GREEDY_CASES[case]
     proposer = CheckedDraft(drafts["close"], verifier.config.vocab_size, **kwargs)
-    out = generate(verifier, prompt(106), proposer=proposer, max_new_tokens=30, temperature=temperature,
+    out = generate(verifier, prompt(106), proposer=proposer, max_new_tokens=60, temperature=temperature,
                    generator=torch.Generator().manual_seed(0))
     assert proposer.checks == len(out.steps) >= 5
     accepted = [s.accepted for s in out.steps]
     assert min(accepted) == 0 and max(accepted) >= 2  # rejected and multi-token steps were checked
+
+
+def test_sampled_drafts_follow_the_calls_generator(models):
+    """At T > 0 the draft's own draws are reseeded from the call's generator (seed_draws): the
+    same seed gives the same drafts and output on every call, another seed other drafts. (A
+    stream that carried on across calls made seeded requests irreproducible; a stream reset to
+    a fixed seed would repeat one "sample" per context and bias the law.)"""
+    verifier, drafts = models
+    proposer = DraftModelProposer(drafts["close"], 128, num_tokens=3, tree_topk=[2], seed=0)
+    drafted: list[list[int]] = []
+    propose = proposer.propose
+
+    def recording(*args):
+        tree = propose(*args)
+        drafted[-1].append(tuple(tree.tokens.tolist()))
+        return tree
+
+    proposer.propose = recording
+    outs = []
+    for seed in (7, 7, 8):
+        drafted.append([])
+        out = generate(verifier, prompt(112), proposer=proposer, max_new_tokens=20, temperature=1.0,
+                       generator=torch.Generator().manual_seed(seed))
+        outs.append(out.tokens)
+    assert outs[0] == outs[1] and drafted[0] == drafted[1]
+    assert drafted[2] != drafted[0]
 
 
 def test_reported_q_is_the_drafts_own_law(models):

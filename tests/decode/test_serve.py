@@ -220,3 +220,32 @@ def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
     finally:
         s.stop()
+
+
+def test_a_draft_model_served_as_draft_cpu(tiny_model_dir, server, tmp_path):
+    """decode=draft-cpu behind the server (an int8 copy of the draft, its top-2 at depth 1,
+    prompt lookup grafted onto greedy requests): greedy replies are the Medusa server's, i.e.
+    the verifier's own greedy text; sampled requests (the graft off) are seeded."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.models.draft import build_student, save_draft_model
+    from tests.tiny import tiny_tokenizer
+
+    verifier = tiny_llama(dtype=torch.float32)
+    student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    path = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
+                            verifier_name="tiny", draft_vocab=torch.arange(0, 128, 2))
+    s = Server(compose_config("serve", tiny_model_overrides(tiny_model_dir) + [
+        "method=draft", f"drafter={path}", "decode=draft-cpu", "threads=1"]))
+    try:
+        draft = s.engine.proposer.inner
+        assert (draft.quant, draft.widths, draft.length, s.engine.proposer.num_tokens) == ("int8", [2], 1, 10)
+        for prompt in ("hello", "the cat sat on the mat, the cat sat"):
+            want = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+            got = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+            assert got.choices[0].text == want.choices[0].text and got.usage == want.usage
+        sampled = [s.client.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0.8,
+                                               seed=5).choices[0].text for _ in range(2)]
+        assert sampled[0] == sampled[1]
+    finally:
+        s.stop()
