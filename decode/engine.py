@@ -201,7 +201,8 @@ def generate(
         cache = new_cache(model.config)
         hidden, extra = _decoder_forward(decoder, layers, input_ids=input_ids, cache=cache, use_cache=True)  # (T, H)
         first = _first_token(lm_head(hidden[-1]), rule_name, params, generator)
-        if proposer.samples_drafts(params):  # the draft's own draws follow this call's generator
+        samples = getattr(proposer, "samples_drafts", None)  # a duck-typed proposer may lack the hook
+        if samples is not None and samples(params):  # the draft's own draws follow this call's generator
             device = generator.device if generator is not None else "cpu"
             proposer.seed_draws(int(torch.randint(2**62, (), generator=generator, device=device)))
         proposer.prefill(input_ids[0], hidden, params, **extra)
