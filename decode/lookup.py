@@ -190,7 +190,7 @@ class PromptLookupGraft(Proposer):
     def grafts_nothing(self, sampling: SamplingParams) -> bool:
         """True when the drafter samples its drafts under `sampling` (a draft model at T > 0):
         then every call decodes with the drafter's tree alone."""
-        return self.inner.samples_drafts(sampling)
+        return self.samples_drafts(sampling)
 
     def samples_drafts(self, sampling: SamplingParams) -> bool:
         return self.inner.samples_drafts(sampling)
