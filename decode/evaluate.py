@@ -113,8 +113,11 @@ def build_draft_free(cfg, verifier, kind: str):
                               f"one: pass decode={DECODE_PRESETS[kind]}")
     device = verifier.model.device
     if kind == "prompt_lookup":
+        from draftsmith.decode.datastore import retrieval_for
+
         return make_proposer(kind, num_tokens=d.num_tokens, max_ngram=d.max_ngram, min_ngram=d.min_ngram,
-                             num_matches=d.num_matches, device=device)
+                             num_matches=d.num_matches, device=device,
+                             retrieval=retrieval_for(d, verifier.tokenizer))
     return make_proposer(kind, lm_head=verifier.lm_head, window=d.window, ngram=d.ngram, guess_set=d.guess_set,
                          pool_from_prompt=d.pool_from_prompt, seed=cfg.seed, device=device)
 

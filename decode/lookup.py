@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from draftsmith.decode.datastore import Retrieval
 from draftsmith.decode.proposers import DraftTree, Proposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.errors import DraftsmithError
@@ -112,7 +113,9 @@ class PromptLookupProposer(Proposer):
     """N-gram match of the last tokens in prompt + output; the continuation is the draft.
 
     num_tokens: tokens proposed per continuation; max_ngram / min_ngram: n-gram sizes tried,
-    longest first; num_matches: continuations merged into a trie (1 = a chain).
+    longest first; num_matches: continuations merged into a trie (1 = a chain). retrieval
+    (decode/datastore.py, decode.datastore=<folder>): also the most frequent continuations of
+    the context's longest suffix in a corpus datastore (REST), merged into the same trie.
     """
 
     name = "prompt_lookup"
@@ -124,6 +127,7 @@ class PromptLookupProposer(Proposer):
         min_ngram: int = 1,
         num_matches: int = 1,
         device: torch.device | str = "cpu",
+        retrieval: Retrieval | None = None,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftsmithError(
@@ -136,15 +140,20 @@ class PromptLookupProposer(Proposer):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.num_matches = num_matches
         self.device = torch.device(device)
+        self.retrieval = retrieval
+        if retrieval is not None:
+            self.name = "prompt_lookup+datastore"
 
     @property
     def max_depth(self) -> int:
-        return self.num_tokens
+        return max(self.num_tokens, self.retrieval.depth if self.retrieval else 0)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         conts = ngram_continuations(
             torch.tensor(ids, dtype=torch.long), self.max_ngram, self.min_ngram, self.num_tokens, self.num_matches
         )
+        if self.retrieval is not None:
+            conts += self.retrieval.paths(ids)
         tokens, parents, _ = build_trie(root, conts)
         return _deterministic_tree(tokens, parents, self.device)
 
@@ -158,7 +167,10 @@ class PromptLookupGraft(Proposer):
     continuation shares its nodes, from the first disagreement on it hangs new ones. A trained
     drafter predicts the next few tokens; a match copies a long span of the context (code,
     quoted text, names), at depths the drafter's tree does not reach and with no drafter
-    forward. decode.lookup_tokens > 0 on an EAGLE, Medusa or draft-model preset builds this.
+    forward. decode.lookup_tokens > 0 on an EAGLE, Medusa or draft-model preset builds this;
+    decode.datastore=<folder> grafts a corpus datastore's most frequent continuations of the
+    context's longest suffix as well (``retrieval``, decode/datastore.py: REST), with or without
+    prompt lookup's.
 
     Lossless at any temperature when the drafter's tree is deterministic (EAGLE, Medusa; a
     draft model when greedy): every node's children are then distinct deterministic tokens,
@@ -171,21 +183,24 @@ class PromptLookupGraft(Proposer):
     the accepted tokens it did not draft).
     """
 
-    def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1):
-        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+    def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1,
+                 retrieval: Retrieval | None = None):
+        if num_tokens < 0 or (num_tokens == 0 and retrieval is None) or not 1 <= min_ngram <= max_ngram:
             raise DraftsmithError(
                 f"decode.lookup_tokens={num_tokens}, decode.lookup_max_ngram={max_ngram}, "
                 f"decode.lookup_min_ngram={min_ngram}: need lookup_tokens >= 1 (0 turns the graft off) and 1 <= min <= max"
             )
         self.inner = inner
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-        self.name = f"{inner.name}+prompt_lookup"
+        self.retrieval = retrieval  # decode.datastore: a corpus datastore's continuations too (decode/datastore.py)
+        sources = (["prompt_lookup"] if num_tokens else []) + (["datastore"] if retrieval is not None else [])
+        self.name = "+".join([inner.name, *sources])
         self.feature_layers = list(getattr(inner, "feature_layers", None) or ())  # EAGLE-3's, for the engine
         self.active = True  # False while the drafter samples its drafts (set per call in prefill)
 
     @property
     def max_depth(self) -> int:
-        return max(self.inner.max_depth, self.num_tokens)
+        return max(self.inner.max_depth, self.num_tokens, self.retrieval.depth if self.retrieval else 0)
 
     def grafts_nothing(self, sampling: SamplingParams) -> bool:
         """True when the drafter samples its drafts under `sampling` (a draft model at T > 0):
@@ -211,7 +226,9 @@ class PromptLookupGraft(Proposer):
                                   f"lookup grafts onto deterministic trees only; set decode.lookup_tokens=0")
         conts = ngram_continuations(
             torch.tensor(ids, dtype=torch.long), self.max_ngram, self.min_ngram, self.num_tokens
-        )
+        ) if self.num_tokens else []
+        if self.retrieval is not None:
+            conts += self.retrieval.paths(ids)
         if not conts:
             return tree
         tokens, parents, _ = graft(tree.tokens.tolist(), tree.parents.tolist(), conts)

