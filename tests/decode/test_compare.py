@@ -114,3 +114,26 @@ def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tin
     assert saved["tiny"] == {"dtype": label[fastest["method"]], "tokens_per_s": fastest["tokens_per_s"]}
     assert f"tiny: {label[fastest['method']]} " in (tmp_path / "compare.md").read_text()
     assert fastest["vs_fastest_plain"] == 1.0
+
+
+def test_datastore_rows_need_their_datastore(tiny_model_dir, tmp_path, capsys):
+    """The -ds rows graft the top-level `datastore`: a run whose every chosen method lacks its
+    datastore is refused before any work, and a missing one skips only its rows."""
+    import pytest
+
+    from draftsmith.models.errors import DraftsmithError
+
+    cfg = compose_config("compare", [f"datastore={tmp_path / 'ds'}", f"output_dir={tmp_path / 'none'}"])
+    assert all(f"decode.datastore={tmp_path / 'ds'}" in cfg.methods[name] for name in cfg.methods if name.endswith("-ds"))
+    assert {"prompt-lookup-ds", "eagle3-ds", "medusa1-ds", "draft-fkl-ds", "draft-fkl-cpu-ds"} <= set(cfg.methods)
+    with pytest.raises(DraftsmithError, match=r"^no datastore for \['prompt-lookup-ds'\] \(looked in \[.*/ds'\]\); "
+                                              r"build it first: python scripts/build_datastore.py"):
+        run(compose_config("compare", [f"datastore={tmp_path / 'ds'}", "only=[prompt-lookup-ds]",
+                                       f"output_dir={tmp_path / 'none'}"]))
+    assert not (tmp_path / "none").exists()
+    result = run(compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
+        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=1", "max_new_tokens=4", "dtype=float32",
+        "assistant=null", "plain_dtypes=[]", f"datastore={tmp_path / 'ds'}", "only=[prompt-lookup,prompt-lookup-ds]",
+        f"output_dir={tmp_path / 'some'}"]))
+    assert [r["method"] for r in result["rows"]] == ["prompt-lookup"]
+    assert f"compare: skipping prompt-lookup-ds: no datastore at {tmp_path / 'ds'}" in capsys.readouterr().out
