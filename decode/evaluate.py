@@ -263,9 +263,11 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = verifier.model, verifier.tokenizer
     proposer, drafter_meta = build_proposer(cfg, verifier)
     if isinstance(proposer, PromptLookupGraft) and proposer.grafts_nothing(params):
-        raise DraftsmithError(f"decode.lookup_tokens={cfg.decode.lookup_tokens} with a draft model at temperature="
-                              f"{cfg.temperature}: its drafts are sampled and the graft would not run; set "
-                              f"decode.lookup_tokens=0 or temperature=0")
+        what = (f"decode.lookup_tokens={cfg.decode.lookup_tokens}" if proposer.num_tokens
+                else f"decode.datastore={cfg.decode.datastore}")
+        raise DraftsmithError(f"{what} with a draft model at temperature={cfg.temperature}: its drafts are sampled "
+                              f"and the graft would not run; set decode.lookup_tokens=0 decode.datastore=null "
+                              f"or temperature=0")
     lossy = acceptance == "typical"
     method = cfg.method.name + (" (LOSSY typical acceptance)" if lossy else "")
     prompts = load_prompts(cfg.data)

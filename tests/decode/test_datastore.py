@@ -245,6 +245,20 @@ def test_build_datastore_then_evaluate_with_it(tiny_model_dir, tmp_path):
         ours = next(iter(report["methods"].values()))
         assert report["proposer"] == proposer
         assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
+    from draftsmith.models.draft import build_student, save_draft_model
+    from draftsmith.models.verifier import fingerprint
+    from tests.tiny import tiny_llama
+
+    verifier = tiny_llama(dtype=torch.float32)
+    student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
+                             verifier_name="tiny")
+    sampled = compose_config("evaluate", common + [f"drafter={draft}", "method=draft", "decode=draft-cpu",
+                                                   "decode.lookup_tokens=0", "temperature=0.7",
+                                                   f"output_dir={tmp_path / 'sampled'}"])
+    with pytest.raises(DraftsmithError, match=r"decode.datastore=.* with a draft model at temperature=0.7: its drafts "
+                                              r"are sampled and the graft would not run"):
+        run(sampled)  # the datastore would be ignored: refused instead
     with pytest.raises(DraftsmithError, match="grafts onto EAGLE, Medusa and draft-model trees only"):
         with_lookup(type("Lookahead", (), {"name": "lookahead"})(),
                     OmegaConf.create({"lookup_tokens": 0, "datastore": str(out), "datastore_tokens": 4}))
