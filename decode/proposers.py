@@ -269,8 +269,8 @@ def proposer_for(drafter, verifier, decode_cfg, seed: int = 0) -> Proposer:
     device, configured by a decode preset: what `Drafter.proposer` returns."""
     build = FROM_DRAFTER[drafter.kind]
     module = drafter.module.to(device=verifier.model.device, dtype=verifier.model.dtype)
-    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg,
-                       tokenizer=verifier.tokenizer)
+    tokenizer = verifier.tokenizer if decode_cfg.get("datastore") else None  # the datastore is checked against it
+    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg, tokenizer)
 
 
 def with_lookup(proposer: Proposer, decode_cfg, tokenizer=None) -> Proposer:
