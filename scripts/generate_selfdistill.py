@@ -213,7 +213,7 @@ def merge_parts(out_dir: Path) -> None:
     done = read_done_ids(records_path)
     with open(records_path, "a", encoding="utf-8") as f:
         for part in sorted((out_dir / PARTS_DIR).glob("records.*.jsonl")):
-            for line in part.read_text(encoding="utf-8").splitlines():
+            for line in part.read_text(encoding="utf-8").split("\n"):  # not splitlines(): an answer may hold U+2028
                 if line.strip() and str(json.loads(line)["id"]) not in done:
                     f.write(line + "\n")
                     done.add(str(json.loads(line)["id"]))
@@ -313,8 +313,8 @@ def run(cfg: DictConfig) -> dict:
     if state.is_main_process:
         if (out_dir / PARTS_DIR).is_dir():  # this run's parts, or an interrupted N-process run's
             merge_parts(out_dir)
-        records = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
-                   if line.strip()]
+        records = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").split("\n")
+                   if line.strip()]  # one record per "\n"; splitlines() would also cut at a U+2028 inside an answer
         counts.update(records=len(records), generated=len(records) - len(done),
                       truncated=sum(r.get("finish") == "length" for r in records))
         write_manifest(out_dir, verifier, settings, counts, complete=True)

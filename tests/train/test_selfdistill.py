@@ -49,7 +49,7 @@ def make_cfg(model_dir, output_dir, *overrides):
 
 
 def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (path / "records.jsonl").read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def test_default_config_composes():
@@ -190,6 +190,26 @@ def test_an_interrupted_multi_process_run_resumes_from_its_parts(model_dir, tmp_
     assert (result["resumed"], result["generated"], result["records"]) == (3, 4, 7)
     assert not (out / "parts").exists()
     assert sorted(r["id"] for r in read_records(out)) == sorted(json.loads(x)["id"] for x in lines)
+
+
+def test_answers_holding_unicode_line_separators_stay_one_record(model_dir, tmp_path):
+    """JSON Lines are split at "\n" only: an answer with U+2028 / U+2029 (ShareGPT has them; json.dumps
+    with ensure_ascii=False writes them raw) is one record, in records.jsonl and in a part file alike
+    (str.splitlines() cut such a record in two and the finished run crashed)."""
+    full = tmp_path / "full"
+    gen.run(make_cfg(model_dir, full))
+    records = [json.loads(x) for x in (full / "records.jsonl").read_text().split("\n") if x.strip()]
+    for r in records[:2]:
+        r["messages"][-1]["content"] = "line\u2028separator\u2029paragraph " + r["messages"][-1]["content"]
+    out = tmp_path / "resumed"
+    (out / "parts").mkdir(parents=True)
+    (out / "records.jsonl").write_text(json.dumps(records[0], ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "parts" / "records.0.jsonl").write_text(json.dumps(records[1], ensure_ascii=False) + "\n", encoding="utf-8")
+    assert "\u2028" in (out / "records.jsonl").read_text(encoding="utf-8")  # written raw, as the generator writes
+    result = gen.run(make_cfg(model_dir, out))
+    assert (result["resumed"], result["generated"], result["records"]) == (2, 5, 7)
+    back = {r["id"]: r for r in read_records(out)}
+    assert back[records[0]["id"]] == records[0] and back[records[1]["id"]] == records[1]
 
 
 def test_vllm_backend_without_vllm_is_a_one_line_error(model_dir, tmp_path, monkeypatch):
