@@ -62,26 +62,25 @@ def packed_columns(tokens: np.ndarray, key_tokens: int) -> np.ndarray:
     return cols
 
 
-def suffix_order(tokens: np.ndarray, key_tokens: int) -> np.ndarray:
-    """(N,) int64: positions sorted by their first key_tokens tokens (column 0 primary)."""
-    cols = packed_columns(tokens, key_tokens)
-    return np.lexsort(cols[::-1]).astype(np.int64)  # lexsort's LAST key is the primary one
 
 
 class Datastore:
     """tokens (N,) int32 and order (N,) int64 (see the module conventions); searchable."""
 
-    def __init__(self, tokens: np.ndarray, order: np.ndarray, key_tokens: int, meta: dict | None = None):
+    def __init__(self, tokens: np.ndarray, order: np.ndarray | None, key_tokens: int, meta: dict | None = None):
+        """order None: sort the suffixes here (building); else the saved suffix array (loading)."""
         if key_tokens < 2 or key_tokens % 2:
             raise DraftsmithError(f"datastore key_tokens={key_tokens}: must be an even number >= 2 (default 8)")
+        cols = packed_columns(tokens, key_tokens)  # (K/2, N), packed once for sorting and searching
+        if order is None:
+            order = np.lexsort(cols[::-1]).astype(np.int64)  # lexsort's LAST key is the primary one
         self.tokens, self.order, self.key_tokens = tokens, order, key_tokens
         self.meta = meta or {}
-        self.sorted_cols = packed_columns(tokens, key_tokens)[:, order]  # (K/2, N), each range sorted
+        self.sorted_cols = cols[:, order]  # (K/2, N), each range sorted
 
     @classmethod
     def build(cls, docs: Iterable[Sequence[int]], key_tokens: int = 8, meta: dict | None = None) -> "Datastore":
-        tokens = concat_documents(docs)
-        return cls(tokens, suffix_order(tokens, key_tokens), key_tokens, meta)
+        return cls(concat_documents(docs), None, key_tokens, meta)
 
     def save(self, out_dir: str | Path) -> Path:
         """Write the folder atomically (models.checkpoint.write_atomic_dir)."""
