@@ -52,6 +52,7 @@ from draftsmith.models.vocab import check_draft_vocab_size
 
 VARIANTS = ("eagle1", "eagle3")
 LM_HEAD_MODES = ("shared", "own", "gathered")  # shared: the verifier's full lm_head
+FC_INITS = ("random", "passthrough")  # method.fc_init (training only): EagleDrafter.passthrough_fc
 
 
 @dataclass
@@ -231,6 +232,18 @@ class EagleDrafter(nn.Module):
         self.t2d[ids] = True
         if self.config.lm_head == "own" and verifier_lm_head is not None:
             self.init_lm_head(verifier_lm_head)
+
+    @torch.no_grad()
+    def passthrough_fc(self) -> None:
+        """method.fc_init=passthrough: fc starts by passing the verifier's state through, not as
+        N(0, 0.02): EAGLE-3's g = the last fused layer's output (the high state; low and mid
+        start at zero weight), EAGLE-1's fc(e, f) = f. The drafter's layer then starts on the
+        verifier's own state instead of a random projection of it."""
+        h = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -h:] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        if self.fc.bias is not None:
+            self.fc.bias.zero_()
 
     @torch.no_grad()
     def init_lm_head(self, verifier_lm_head: nn.Linear) -> None:

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from draftsmith.decode.tree import additive_mask
-from draftsmith.models.eagle import EagleConfig, EagleDrafter
+from draftsmith.models.eagle import FC_INITS, EagleConfig, EagleDrafter
 from draftsmith.models.entry import launch
-from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.verifier import default_fusion_layers, resolve_layers, resolve_path
 from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab
 from draftsmith.train.core import loop
@@ -202,6 +202,9 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
 
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
+    if choose({k: k for k in FC_INITS}, mcfg.fc_init, "method.fc_init") == "passthrough" and cfg.trainer.init_from:
+        raise DraftsmithError(f"method.fc_init=passthrough would be overwritten by trainer.init_from="
+                              f"{cfg.trainer.init_from}; drop one of them")
     accelerator = loop.start(cfg)
     frozen = loop.frozen_verifier(cfg, accelerator, embedding=True)  # online, or only its lm_head and embedding
     verifier, lm_head, embed = frozen.verifier, frozen.lm_head, frozen.embed
@@ -216,6 +219,8 @@ def run(cfg: DictConfig) -> dict:
     drafter = EagleDrafter(config)
     if config.draft_vocab_size is not None:  # the most frequent assistant tokens of the training split
         drafter.set_draft_vocab(draft_vocab(data.target_counts(config.vocab_size), config.draft_vocab_size), lm_head)
+    if mcfg.fc_init == "passthrough":  # fc starts on the verifier's own state (models/eagle.py)
+        drafter.passthrough_fc()
     warm = loop.warm_start(cfg.trainer.init_from, drafter, "eagle", cfg.trainer.keep_vocab)
     drafter.to(accelerator.device)
 

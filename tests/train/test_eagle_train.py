@@ -175,3 +175,33 @@ def test_target_law_from_topk_logits_and_a_draft_vocab_match_the_full_law_on_tho
     torch.testing.assert_close(target_law(draft, {"topk_values": top6.values, "topk_indices": top6.indices},
                                           lm_head).double(),
                                law6 / law6.sum(-1, keepdim=True).clamp_min(1e-12), atol=1e-6, rtol=1e-5)
+
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_fc_passthrough_starts_on_the_verifiers_state(tiny_model_dir, tmp_path, method):
+    """method.fc_init=passthrough: the saved untrained drafter's fc is [0 | I] (EAGLE-3: the last
+    fused layer's state; EAGLE-1: f_t), so fc(x) equals that state; the rest is the random init,
+    and training from it runs and its loss falls."""
+    extra = ["method.draft_vocab_size=48", "method.fusion_layers=[0,1,-1]"] if method == "eagle3" else []
+    summary = run(_cfg(tiny_model_dir, tmp_path / "init", method, *extra, "method.fc_init=passthrough",
+                       "trainer.max_steps=0"))
+    _, drafter, config, _ = load_drafter(summary["drafter_dir"])
+    h = config.hidden_size
+    x = torch.randn(3, drafter.fc.weight.shape[1])
+    torch.testing.assert_close(drafter.fc(x), x[:, -h:])
+    random = load_drafter(run(_cfg(tiny_model_dir, tmp_path / "rand", method, *extra, "trainer.max_steps=0"))
+                          ["drafter_dir"]).module
+    assert not torch.allclose(random.fc(x), x[:, -h:], atol=0.1)  # the default is not a pass-through
+    torch.testing.assert_close(drafter.layer.self_attn.q_proj.weight, random.layer.self_attn.q_proj.weight)
+    trained = run(_cfg(tiny_model_dir, tmp_path / "run", method, *extra, "method.fc_init=passthrough"))
+    assert trained["steps"] == 3 and _train_losses(tmp_path / "run")[-1] < _train_losses(tmp_path / "run")[0]
+
+
+def test_fc_init_refusals(tiny_model_dir, tmp_path):
+    with pytest.raises(DraftsmithError, match=r"method.fc_init='identity' is not known; valid: passthrough, random"):
+        run(_cfg(tiny_model_dir, tmp_path / "a", "eagle1", "method.fc_init=identity"))
+    first = run(_cfg(tiny_model_dir, tmp_path / "b", "eagle1"))
+    with pytest.raises(DraftsmithError, match="method.fc_init=passthrough would be overwritten by trainer.init_from"):
+        run(_cfg(tiny_model_dir, tmp_path / "c", "eagle1", "method.fc_init=passthrough",
+                 f"trainer.init_from={first['drafter_dir']}"))
