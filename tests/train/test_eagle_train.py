@@ -177,7 +177,6 @@ def test_target_law_from_topk_logits_and_a_draft_vocab_match_the_full_law_on_tho
                                law6 / law6.sum(-1, keepdim=True).clamp_min(1e-12), atol=1e-6, rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
 def test_fc_passthrough_starts_on_the_verifiers_state(tiny_model_dir, tmp_path, method):
     """method.fc_init=passthrough: the saved untrained drafter's fc is [0 | I] (EAGLE-3: the last
@@ -205,3 +204,18 @@ def test_fc_init_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(DraftsmithError, match="method.fc_init=passthrough would be overwritten by trainer.init_from"):
         run(_cfg(tiny_model_dir, tmp_path / "c", "eagle1", "method.fc_init=passthrough",
                  f"trainer.init_from={first['drafter_dir']}"))
+
+
+def test_an_eagle_run_from_before_fc_init_still_resumes(tiny_model_dir, tmp_path):
+    """A run whose config predates method.fc_init (no such key) has the digest of the same run at
+    the default, so it resumes; passthrough is another config."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.train.core.checkpoint import config_digest
+
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", "eagle3")
+    older = OmegaConf.to_container(cfg)
+    del older["method"]["fc_init"]
+    assert config_digest(OmegaConf.create(older)) == config_digest(cfg)
+    assert config_digest(_cfg(tiny_model_dir, tmp_path / "run", "eagle3", "method.fc_init=passthrough")) \
+        != config_digest(cfg)
