@@ -62,8 +62,6 @@ def packed_columns(tokens: np.ndarray, key_tokens: int) -> np.ndarray:
     return cols
 
 
-
-
 class Datastore:
     """tokens (N,) int32 and order (N,) int64 (see the module conventions); searchable."""
 

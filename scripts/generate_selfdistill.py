@@ -37,7 +37,7 @@ from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import choose
-from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, render
+from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, read_jsonl, render
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.core.accel import process_state
 
@@ -213,10 +213,10 @@ def merge_parts(out_dir: Path) -> None:
     done = read_done_ids(records_path)
     with open(records_path, "a", encoding="utf-8") as f:
         for part in sorted((out_dir / PARTS_DIR).glob("records.*.jsonl")):
-            for line in part.read_text(encoding="utf-8").split("\n"):  # not splitlines(): an answer may hold U+2028
-                if line.strip() and str(json.loads(line)["id"]) not in done:
-                    f.write(line + "\n")
-                    done.add(str(json.loads(line)["id"]))
+            for record in read_jsonl(part):  # one record per "\n" (an answer may hold U+2028)
+                if str(record["id"]) not in done:
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")  # as the generator writes it
+                    done.add(str(record["id"]))
         f.flush()
         os.fsync(f.fileno())
     shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)
@@ -313,8 +313,7 @@ def run(cfg: DictConfig) -> dict:
     if state.is_main_process:
         if (out_dir / PARTS_DIR).is_dir():  # this run's parts, or an interrupted N-process run's
             merge_parts(out_dir)
-        records = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").split("\n")
-                   if line.strip()]  # one record per "\n"; splitlines() would also cut at a U+2028 inside an answer
+        records = read_jsonl(out_dir / RECORDS_FILE)  # file lines: not cut at a U+2028 inside an answer
         counts.update(records=len(records), generated=len(records) - len(done),
                       truncated=sum(r.get("finish") == "length" for r in records))
         write_manifest(out_dir, verifier, settings, counts, complete=True)

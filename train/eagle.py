@@ -202,7 +202,8 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
 
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
-    if choose({k: k for k in FC_INITS}, mcfg.fc_init, "method.fc_init") == "passthrough" and cfg.trainer.init_from:
+    choose(dict.fromkeys(FC_INITS), mcfg.fc_init, "method.fc_init")  # before any work, as EagleConfig's keys
+    if mcfg.fc_init == "passthrough" and cfg.trainer.init_from:
         raise DraftsmithError(f"method.fc_init=passthrough would be overwritten by trainer.init_from="
                               f"{cfg.trainer.init_from}; drop one of them")
     accelerator = loop.start(cfg)

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.sources import DataError, load_conversations
+from draftsmith.models.sources import DataError, load_conversations, read_jsonl
 from draftsmith.train.core.data import check_data_verifier, tokenize_conversations
 from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.tiny import tiny_llama, tiny_tokenizer
@@ -49,7 +49,7 @@ def make_cfg(model_dir, output_dir, *overrides):
 
 
 def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in (path / "records.jsonl").read_text(encoding="utf-8").split("\n") if line.strip()]
+    return read_jsonl(path / "records.jsonl")
 
 
 def test_default_config_composes():
