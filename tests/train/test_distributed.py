@@ -274,6 +274,8 @@ def test_medusa2_two_processes_train_the_same_backbone_and_heads_as_one(tiny_mod
     moved = [k for k, v in original.items() if (reference[f"verifier.{k}"] - v).abs().max() > 1e-6]
     for name, got in weights.items():
         assert got.keys() == reference.keys(), name
-        for key, ref in reference.items():
-            torch.testing.assert_close(got[key], ref, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        for key, ref in reference.items():  # heads lr 1e-2 x 4: 4 Adam steps move a weight by up to 0.16;
+            # Adam's m / sqrt(v) turns fp32 rounding of a near-zero gradient (all-reduce vs one sum: another order,
+            # and another kernel on another CPU) into ~2e-5 (seen on a Xeon with AMX), so atol is 1e-4 of a step
+            torch.testing.assert_close(got[key], ref, rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
     assert moved  # the backbone was tuned (so the equality above is about the LoRA updates too)
