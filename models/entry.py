@@ -3,6 +3,9 @@ the config, refuse a bad override in one line before any work, run `run(cfg)` an
 DraftsmithError into one line and exit status 2. On the floor below train/ and decode/."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,6 +13,8 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from draftsmith.models.errors import DraftsmithError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -45,6 +50,9 @@ def unknown_override(cfg: DictConfig, overrides: list[str]) -> str | None:
     return None
 
 
+AUTO_SIZES = (".eval_size",)  # number keys that also take `auto` (train/core/data.held_out_count)
+
+
 def mistyped_override(base: DictConfig, full: DictConfig, overrides: list[str]) -> str | None:
     """The first override that puts text where the config holds a number or a boolean
     (`method.draft_vocab_size=8k`), or a boolean where it holds a number, explained; None if
@@ -55,7 +63,7 @@ def mistyped_override(base: DictConfig, full: DictConfig, overrides: list[str]) 
             default, value = OmegaConf.select(base, key), OmegaConf.select(full, key)
         except Exception:  # an interpolation that cannot resolve yet: the script reports it
             continue
-        if not isinstance(default, (bool, int, float)):
+        if not isinstance(default, (bool, int, float)) or (value == "auto" and key.endswith(AUTO_SIZES)):
             continue
         if isinstance(value, str) or (isinstance(value, bool) and not isinstance(default, bool)):  # max_steps=true
             kind, shown = ("true or false", str(default).lower()) if isinstance(default, bool) else ("a number", default)
@@ -129,14 +137,63 @@ def launch(config_name: str, run) -> None:
     from draftsmith.models.errors import exit_on_user_error
 
     check_cli_overrides(config_name)
+    fresh = first_missing_dir(run_dir(config_name, sys.argv[1:]))
 
     @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
     def main(cfg: DictConfig) -> None:
-        with exit_on_user_error():
+        with exit_on_user_error(), forget_refused_run(fresh):
             run(cfg)
 
     main()
     end_process_group()
+
+
+def run_dir(config_name: str, argv: list[str]) -> Path | None:
+    """The folder Hydra will create for this run (hydra.run.dir, resolved), or None when it cannot
+    be told before Hydra starts (a sweep, a composition error: Hydra reports those itself)."""
+    from hydra import compose, initialize_config_dir
+
+    args = [a for a in argv if not a.startswith("-")]
+    if len(args) < len(argv):  # -m / --multirun / --cfg ...: Hydra's own modes
+        return None
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=args, return_hydra_config=True)
+            return Path(str(cfg.hydra.run.dir)).absolute()
+    except Exception:
+        return None
+
+
+def first_missing_dir(path: Path | None) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what a run creates), or None."""
+    if path is None or path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+HYDRA_FILES = {".hydra"}  # what Hydra writes into a run folder before run(cfg) starts, besides *.log
+
+
+@contextlib.contextmanager
+def forget_refused_run(fresh: Path | None):
+    """A run refused before any work leaves nothing behind: on a DraftsmithError, the folder this
+    run created (`fresh`) is removed when it holds only Hydra's own files (.hydra/, the job log);
+    anything the run itself wrote keeps it."""
+    try:
+        yield
+    except DraftsmithError:
+        if fresh is not None and fresh.is_dir() and only_hydra_files(fresh):
+            logging.shutdown()  # the job log's handler holds its file open
+            shutil.rmtree(fresh, ignore_errors=True)
+        raise
+
+
+def only_hydra_files(folder: Path) -> bool:
+    """Every file under `folder` is Hydra's: inside .hydra/ or a job log (*.log)."""
+    return all(path.is_dir() or HYDRA_FILES & set(path.relative_to(folder).parts) or path.suffix == ".log"
+               for path in folder.rglob("*"))
 
 
 def end_process_group() -> None:

@@ -38,7 +38,7 @@ def test_train_and_evaluate_on_my_own_chat_jsonl(tiny_model_dir, tmp_path):
     train = run([str(ROOT / "train/medusa.py"), "data=chat-jsonl", "data.path=my_chats.jsonl", *model,
                  "trainer=debug", "logger=none", "output_dir=heads"], tmp_path)
     assert train.returncode == 0, train.stderr[-2000:]
-    assert "16 train / 64 held-out conversations" in train.stdout + train.stderr
+    assert "72 train / 8 held-out conversations" in train.stdout + train.stderr  # data.eval_size=auto: a tenth
     evaluate = run([str(ROOT / "decode/evaluate.py"), "data=chat-jsonl", "data.path=prompts.jsonl", *model,
                     "method=medusa", "drafter=heads/final", "decode=chain4", "max_new_tokens=8", "hf.enabled=false",
                     "output_dir=eval"], tmp_path)
@@ -52,3 +52,31 @@ def test_a_path_the_source_ignores_is_refused_in_one_line(tmp_path):
     proc = run([str(ROOT / "decode/evaluate.py"), "data=mtbench", "data.path=x.jsonl"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "data.path='x.jsonl' is ignored by data.source='mtbench'" in proc.stderr
+
+
+def test_a_small_file_of_my_own_trains_with_the_default_held_out_size(tiny_model_dir, tmp_path):
+    """40 conversations: the default data.eval_size=auto holds out 4 and says so; an explicit
+    size that cannot fit is still refused in one line."""
+    write_chats(tmp_path / "my_chats.jsonl", 40)
+    model = tiny_model_overrides(tiny_model_dir)
+    args = [str(ROOT / "train/medusa.py"), "data=chat-jsonl", "data.path=my_chats.jsonl", *model, "trainer=debug",
+            "trainer.max_steps=1", "logger=none", "probe.num_prompts=0"]
+    train = run([*args, "output_dir=heads"], tmp_path)
+    assert train.returncode == 0, train.stderr[-2000:]
+    out = train.stdout + train.stderr
+    assert "data.eval_size=auto: 4 of the 40 conversations of data=chat-jsonl held out" in out
+    assert "36 train / 4 held-out conversations" in out
+    refused = run([*args, "data.eval_size=64", "output_dir=refused"], tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]  # after the verifier's loading bar: one line
+    assert last.startswith("draftsmith: error: data.eval_size=64 must be in [0, 40)"), refused.stderr
+    assert not (tmp_path / "refused").exists()  # refused before any work: nothing left behind
+
+
+def test_a_run_refused_before_any_work_leaves_no_output_folder(tmp_path):
+    """`python train/medusa.py model=llama2-7b` (no local weights, no hub): one line, and no
+    outputs/medusa-llama2-7b/hydra left in the user's folder."""
+    proc = run([str(ROOT / "train/medusa.py"), "model=llama2-7b"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model.path=/path/to/local/hf/folder" in proc.stderr
+    assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))

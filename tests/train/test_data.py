@@ -220,6 +220,25 @@ def test_split_heldout_is_disjoint_and_deterministic():
         split_heldout(ds, {"eval_size": 50, "seed": 0, "name": "selfdistill"})
 
 
+def test_eval_size_auto_fits_any_size_and_an_explicit_size_that_cannot_fit_is_refused(capsys):
+    """data.eval_size=auto (chat-jsonl's and selfdistill's default): a tenth, 1..64, printed; an
+    explicit number is kept, and refused when it does not fit (never shrunk behind the user's back)."""
+    def convs(n):
+        return datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": str(i)}] for i in range(n)]})
+
+    for n, held in ((40, 4), (5, 1), (2, 1), (639, 63), (5000, 64)):
+        train, eval_ = split_heldout(convs(n), {"eval_size": "auto", "seed": 0, "name": "chat-jsonl"})
+        assert (len(train), len(eval_)) == (n - held, held), n
+    assert "data.eval_size=auto: 4 of the 40 conversations of data=chat-jsonl held out" in capsys.readouterr().out
+    assert len(split_heldout(convs(40), {"eval_size": 10, "seed": 0})[1]) == 10
+    with pytest.raises(DataError, match=r"data.eval_size=64 must be in \[0, 40\).*or data.eval_size=auto"):
+        split_heldout(convs(40), {"eval_size": 64, "seed": 0, "name": "chat-jsonl"})
+    with pytest.raises(DataError, match="has 1 conversation"):
+        split_heldout(convs(1), {"eval_size": "auto", "seed": 0, "name": "chat-jsonl"})
+    with pytest.raises(DataError, match="data.eval_size='most': a number of conversations >= 0, or auto"):
+        split_heldout(convs(40), {"eval_size": "most", "seed": 0})
+
+
 def test_split_heldout_follows_the_prompts_not_the_positions():
     """Re-answered prompts in another order (a refresh's re-generated data) are held out again,
     and conversations sharing a prompt fall on the same side."""

@@ -41,18 +41,39 @@ def split_heldout(ds: datasets.Dataset, data_cfg) -> tuple[datasets.Dataset, dat
     comes in rank order, so its first k conversations (the probe's prompts) are the same k
     whatever order the records were written in.
     """
-    eval_size = int(cfg_value(data_cfg, "eval_size") or 0)
-    if eval_size < 0 or eval_size >= len(ds):
-        name = cfg_value(data_cfg, "name") or "?"
-        more = ("; self-distilled data grows with scripts/generate_selfdistill.py num_prompts=N (it resumes)"
-                if str(name).startswith("selfdistill") else "")
-        raise DataError(f"data.eval_size={eval_size} must be in [0, {len(ds)}) for the {len(ds)} conversations of "
-                        f"data={name}: lower data.eval_size or give it more conversations{more}")
+    eval_size = held_out_count(cfg_value(data_cfg, "eval_size"), len(ds), cfg_value(data_cfg, "name") or "?")
     seed = int(cfg_value(data_cfg, "seed") or 0)
     ranks = [split_rank(messages, seed) for messages in ds["messages"]]
     order = sorted(range(len(ds)), key=lambda i: (ranks[i], i))
     eval_idx, train_idx = order[:eval_size], sorted(order[eval_size:])
     return ds.select(train_idx), ds.select(eval_idx)
+
+
+EVAL_AUTO = (10, 1, 64)  # data.eval_size=auto: a tenth of the conversations, at least 1, at most 64
+
+
+def held_out_count(eval_size, n: int, name: str) -> int:
+    """How many of the n conversations data.eval_size holds out: a number, or `auto` (EVAL_AUTO:
+    a tenth, 1..64, so that a small file of your own trains as it is). A number that does not fit
+    is refused, never shrunk."""
+    if eval_size == "auto":
+        share, low, high = EVAL_AUTO
+        if n < 2:
+            raise DataError(f"data={name} has {n} conversation(s): data.eval_size=auto holds out at least 1 and "
+                            f"trains on the rest; give it more conversations")
+        count = min(high, max(low, n // share))
+        print(f"data.eval_size=auto: {count} of the {n} conversations of data={name} held out (a tenth, "
+              f"{low}..{high}; set data.eval_size=N to choose)")
+        return count
+    if isinstance(eval_size, bool) or not isinstance(eval_size, int | None):
+        raise DataError(f"data.eval_size={eval_size!r}: a number of conversations >= 0, or auto")
+    eval_size = int(eval_size or 0)
+    if eval_size < 0 or eval_size >= n:
+        more = ("; self-distilled data grows with scripts/generate_selfdistill.py num_prompts=N (it resumes)"
+                if str(name).startswith("selfdistill") else "")
+        raise DataError(f"data.eval_size={eval_size} must be in [0, {n}) for the {n} conversations of "
+                        f"data={name}: lower data.eval_size (or data.eval_size=auto) or give it more conversations{more}")
+    return eval_size
 
 
 def split_rank(messages: list[dict], seed: int) -> bytes:
