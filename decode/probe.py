@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.models.checkpoint import write_atomic_text
@@ -72,11 +73,23 @@ def preset_path(name: str) -> Path:
     return path
 
 
+FULL_PROBE = (16, 100)  # probe.num_prompts=auto: 16 prompts for a run of >= 100 steps, fewer in proportion (>= 2)
+
+
+def probe_size(num_prompts, max_steps: int) -> int:
+    """The prompts a run's probe decodes: probe.num_prompts, or for `auto` a share proportionate to
+    the run (a 3-step debug run gets 2 prompts, not a probe longer than its training)."""
+    if num_prompts != "auto":
+        return int(num_prompts)
+    full, steps = FULL_PROBE
+    return max(2, min(full, round(full * int(max_steps) / steps)))
+
+
 def check_config(probe_cfg) -> None:
     """Refuse a bad `probe` node before training (the probe itself runs after it)."""
     n, k, decode = probe_cfg.num_prompts, probe_cfg.max_new_tokens, probe_cfg.decode
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise DraftsmithError(f"probe.num_prompts={n}: an integer >= 0 (0 records no probe)")
+    if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise DraftsmithError(f"probe.num_prompts={n}: an integer >= 0 (0 records no probe), or auto")
     if n and (not isinstance(k, int) or isinstance(k, bool) or k < 2):
         raise DraftsmithError(f"probe.max_new_tokens={k}: an integer >= 2 (the first token comes from the prefill, "
                               f"tau counts the ones after it)")
@@ -85,14 +98,19 @@ def check_config(probe_cfg) -> None:
 
 
 @torch.no_grad()
-def measure(verifier, drafter, decode_cfg, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> dict:
+def measure(verifier, drafter, decode_cfg, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
+            progress: bool = True) -> dict:
     """Greedy decoding of every prompt with the drafter -> {"tau", "per_prompt_tau", "tokens", "seconds"}."""
     proposer = drafter.proposer(verifier, decode_cfg, seed=seed)
     device = verifier.model.device
     outputs, t0 = [], time.time()
-    for ids in prompts:
+    bar = tqdm(prompts, desc="probe", unit="prompt", disable=not progress)
+    for ids in bar:
         outputs.append(generate(verifier.model, torch.tensor([ids], device=device), proposer=proposer,
                                 max_new_tokens=max_new_tokens))
+        done = sum(len(o.tokens) for o in outputs)
+        bar.set_postfix_str(f"{done / (time.time() - t0):.1f} tok/s, tau {summarize(outputs)['tau']:.2f}")
+    bar.close()
     stats = summarize(outputs)
     return {"tau": stats["tau"], "per_prompt_tau": [summarize([o])["tau"] for o in outputs],
             "tokens": stats["num_tokens"], "seconds": round(time.time() - t0, 3)}
@@ -102,9 +120,16 @@ def record(verifier, drafter, decode, prompts: list[list[int]], max_new_tokens: 
     """The probe.json content: the prompts, settings and the drafter's tau on this verifier."""
     decode_cfg = decode_preset(decode, drafter)
     result = measure(verifier, drafter, decode_cfg, prompts, max_new_tokens)
-    return {"prompts": prompts, "max_new_tokens": int(max_new_tokens),
-            "decode": OmegaConf.to_container(decode_cfg, resolve=True), "dtype": str(verifier.model.dtype),
-            "verifier_fingerprint": verifier.fingerprint, "verifier_name": verifier.name, **result}
+    return remeasured({"prompts": prompts, "max_new_tokens": int(max_new_tokens),
+                       "decode": OmegaConf.to_container(decode_cfg, resolve=True)}, verifier, result)
+
+
+def remeasured(probe: dict, verifier, result: dict) -> dict:
+    """A probe's prompts and settings with a new measurement (measure's result) on `verifier`:
+    the probe.json of a drafter measured on that verifier."""
+    return {"prompts": probe["prompts"], "max_new_tokens": int(probe["max_new_tokens"]), "decode": probe["decode"],
+            "dtype": str(verifier.model.dtype), "verifier_fingerprint": verifier.fingerprint,
+            "verifier_name": verifier.name, **{k: result[k] for k in ("tau", "per_prompt_tau", "tokens", "seconds")}}
 
 
 def write_probe(drafter_dir: str | Path, probe: dict) -> Path:

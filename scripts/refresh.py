@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -34,7 +35,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode import probe as probes
-from draftsmith.models.checkpoint import load_drafter, medusa2_parts, read_meta_file, write_atomic_text
+from draftsmith.models.checkpoint import (
+    load_drafter,
+    medusa2_parts,
+    read_meta_file,
+    write_atomic_dir,
+    write_atomic_text,
+)
 from draftsmith.models.entry import CONF_DIR, compose_main, launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import MANIFEST_FILE
@@ -138,6 +145,7 @@ def training_config(old: DictConfig, model_cfg: DictConfig, data: DictConfig, ou
         train.trainer.threads = int(cfg.threads)
     if "probe" not in train:  # a run from before probes: the default probe
         train.probe = OmegaConf.load(CONF_DIR / "probe" / "default.yaml")
+    train.probe.num_prompts = 0  # refresh measures the recorded probe itself and writes it as the new baseline
     return train
 
 
@@ -165,9 +173,66 @@ def markdown(report: dict) -> str:
             wall = f"{r['wall_s']:.0f}" if "wall_s" in r else "(at training)"
             rows.append(f"| {name} | {verifier_name} | {r['tau']:.3f} | {r['tau'] / base:.2f}x | {wall} |")
     fp = report["fingerprints"]
+    outcome = report.get("outcome")
+    tail = "" if outcome is None else (f"\n\n{outcome['decision']}: {outcome['how']}" +
+                                       (f" -> {outcome['drafter']}" if outcome["drafter"] else ""))
     return (f"drafter {report['drafter']}: verifier {fp['recorded']} -> {fp['new']}; probe: "
             f"{report['probe']['prompts']} prompts x {report['probe']['max_new_tokens']} tokens "
-            f"({report['probe']['decode']}, {report['probe']['dtype']})\n\n" + "\n".join(rows))
+            f"({report['probe']['decode']}, {report['probe']['dtype']})\n\n" + "\n".join(rows) + tail)
+
+
+def still_serves(report: dict, path: Path, out: Path, cfg: DictConfig, probe: dict, write: bool) -> dict:
+    """No refresh needed: the old drafter serves the new verifier. With a changed fingerprint,
+    output_dir/checked is the same drafter (same files, same weights) stamped for the new verifier:
+    meta.json's verifier_fingerprint is the new one, `checked_from` names the old drafter and the
+    check, and probe.json holds its probe on the new verifier (the next refresh's baseline), so
+    evaluate and serve accept it for the new verifier with no override."""
+    fp = report["fingerprints"]
+    if fp["recorded"] == fp["new"]:
+        report["outcome"] = {"decision": "no refresh needed", "drafter": str(path),
+                             "how": "the verifier is unchanged: the drafter is used as it is"}
+    elif not write:
+        report["outcome"] = {"decision": "no refresh needed", "drafter": None,
+                             "how": "check_only=true: rerun without it to write output_dir/checked, the drafter "
+                                    "stamped for the new verifier"}
+    else:
+        checked = out / "checked"
+        old_meta = read_meta_file(path)
+        new_probe = {**probe, **{k: report["old_on_new"][k] for k in ("tau", "per_prompt_tau", "tokens", "seconds")},
+                     "verifier_fingerprint": fp["new"], "verifier_name": cfg.model.name}
+        check = {"drafter": str(path), "verifier_fingerprint": fp["recorded"], "verifier_name":
+                 old_meta.get("verifier_name"), "tau_recorded": report["recorded"]["tau"],
+                 "tau_on_new": report["old_on_new"]["tau"], "threshold": float(cfg.threshold),
+                 "checked": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        meta = {**old_meta, "verifier_fingerprint": fp["new"], "verifier_name": cfg.model.name, "checked_from": check}
+
+        def write_checked(tmp: Path) -> None:
+            for item in path.iterdir():
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+            (tmp / probes.PROBE_FILE).write_text(json.dumps(new_probe, indent=1))
+
+        write_atomic_dir(checked, write_checked)
+        report["outcome"] = {"decision": "no refresh needed", "drafter": str(checked),
+                             "how": "the same weights, stamped for the new verifier (meta.json checked_from, "
+                                    "probe.json on the new verifier)"}
+    write_report(out, report)
+    drafter = report["outcome"]["drafter"]
+    print(f"refresh: {report['outcome']['how']}" + (f" -> {drafter}" if drafter else ""))
+    if drafter:
+        print(f"refresh: next: python decode/evaluate.py drafter={drafter} {model_args(cfg.model)}")
+    return report
+
+
+def model_args(model: DictConfig) -> str:
+    """The overrides that name this verifier on another entry script's command line."""
+    preset = CONF_DIR / "model" / f"{model.name}.yaml"
+    args = [f"model={model.name}"] if preset.is_file() else []
+    base = OmegaConf.load(preset) if preset.is_file() else {}
+    for key in ("path", "source"):
+        if str(model.get(key)) != str(base.get(key)):
+            args.append(f"model.{key}={model.get(key)}")
+    return " ".join(args)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -185,7 +250,7 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"drafter={path} was trained from stored features of the OLD verifier "
                               f"(data.features={old_cfg.data.features}); rerun scripts/prepare_features.py with the "
                               f"new verifier, then train/{RECIPES[kind]}.py trainer.init_from={path}")
-    model_cfg = OmegaConf.merge(cfg.model, {"dtype": cfg.dtype or old_cfg.model.get("dtype", "float32")})
+    model_cfg = OmegaConf.merge(cfg.model, {"dtype": cfg.model.dtype or old_cfg.model.get("dtype", "float32")})
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if report and report.get("drafter") != str(path):
@@ -210,8 +275,8 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"output_dir={out} holds a refresh measured against another probe of {path} (its "
                               f"probe.json was re-recorded since); pass a new output_dir=")
     if str(verifier.model.dtype) != probe["dtype"]:
-        raise DraftsmithError(f"dtype={cfg.dtype}: the probe of {path} was recorded with a {probe['dtype']} verifier, "
-                              f"and taus in two dtypes do not compare; drop dtype= (the old run's "
+        raise DraftsmithError(f"model.dtype={cfg.model.dtype}: the probe of {path} was recorded with a {probe['dtype']} "
+                              f"verifier, and taus in two dtypes do not compare; drop model.dtype= (the old run's "
                               f"{old_cfg.model.get('dtype', 'float32')} is the default)")
     t0 = time.time()
     if state.is_main_process and "old_on_new" not in report:
@@ -238,7 +303,10 @@ def run(cfg: DictConfig) -> dict:
               f"new one: {drop:+.1%} drop" + ("" if observed is None else
                                               f"; observed_tau={float(observed):.3f}: {decision_drop:+.1%}") +
               f" (threshold {cfg.threshold:.0%}) -> {'refresh' if needed else 'no refresh needed'}")
+    if not needed and state.is_main_process:
+        report = still_serves(report, path, out, cfg, probe, write=not cfg.check_only)
     if cfg.check_only or not needed:
+        state.wait_for_everyone()
         return report
     del verifier  # the trainers load their own: none is held idle through data and training
     gc.collect()
@@ -271,6 +339,7 @@ def run(cfg: DictConfig) -> dict:
             target = load_verifier(model_cfg if tuned is None else OmegaConf.merge(model_cfg, {"path": str(tuned)}),
                                    device=state.device)
             result = probe_tau(new_dir, target, probe, allow_mismatch=False)
+            probes.write_probe(new_dir, probes.remeasured(probe, target, result))  # the next refresh's baseline
             report[name] = {**result, "drafter": str(new_dir), "steps": summary["steps"],
                             "train_tokens": summary.get("tokens"), "train_s": summary["seconds"],
                             "wall_s": summary["seconds"] + result["seconds"]}  # training across resumes + probe

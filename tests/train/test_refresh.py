@@ -115,6 +115,24 @@ def test_every_trainer_records_a_probe(tiny_model_dir, tmp_path, config, extra):
     assert probe["decode"]["name"] == {"eagle": "eagle-dynamic", "draft": "draft-chain"}[config]
 
 
+def test_a_short_run_gets_a_short_probe_that_shows_progress_and_its_time(tiny_model_dir, tmp_path, capfd):
+    """probe.num_prompts=auto: 16 prompts for 100+ steps, fewer in proportion, at least 2; the probe
+    says how to turn it off, shows prompts done and tok/s, and its time is in the end line."""
+    from draftsmith.train.medusa import run as medusa
+
+    assert [probes.probe_size("auto", n) for n in (1, 3, 20, 50, 100, 5000)] == [2, 2, 3, 8, 16, 16]
+    assert probes.probe_size(5, 3) == 5 and probes.probe_size(0, 5000) == 0  # an explicit size is kept
+    summary = medusa(compose_config("medusa", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "data.eval_size=5", "trainer=debug", "logger=none", f"output_dir={tmp_path}",
+        "method.num_heads=2", "probe.max_new_tokens=8"]))
+    out, err = capfd.readouterr()
+    assert len(probes.read_probe(summary["drafter_dir"])["prompts"]) == 2  # 3 debug steps: the smallest probe
+    assert "probe: decoding 2 held-out prompts x 8 tokens" in out and "probe.num_prompts=0: no probe" in out
+    assert "2/2" in err and "tok/s" in err  # the progress bar: prompts done, tokens per second
+    end = next(line for line in out.splitlines() if " done: 3 steps in " in line)
+    assert f"probe tau {summary['probe_tau']:.2f} in " in end and summary["probe_s"] >= 0
+
+
 def test_a_bad_probe_setting_is_refused_before_training(tiny_model_dir, tmp_path):
     from draftsmith.train.medusa import run as medusa
 
@@ -198,9 +216,55 @@ def test_check_only_stops_after_the_report_and_no_drift_refreshes_nothing(loop_d
                                               r"output_dir="):  # a report measured for another verifier is not reused
         refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
             f"drafter={root}/m0/final", f"output_dir={root}/refresh", "check_only=true"]))
-    with pytest.raises(DraftsmithError, match=r"dtype=bfloat16: the probe of .* was recorded with a torch.float32 "
-                                              r"verifier.*drop dtype="):
-        refresh.run(compose_config("refresh", refresh_overrides(root, "bf16", "dtype=bfloat16", "check_only=true")))
+    with pytest.raises(DraftsmithError, match=r"model.dtype=bfloat16: the probe of .* was recorded with a "
+                                              r"torch.float32 verifier.*drop model.dtype="):
+        refresh.run(compose_config("refresh", refresh_overrides(root, "bf16", "model.dtype=bfloat16",
+                                                                "check_only=true")))
+
+
+def test_no_refresh_needed_leaves_a_drafter_that_evaluate_accepts_for_the_new_verifier(loop_dirs, tmp_path, capsys):
+    """A verifier changed a little (noise on its last MLP: a new fingerprint, the same acceptance):
+    refresh says no refresh is needed and writes output_dir/checked, the same weights stamped for
+    the new verifier, which evaluate accepts with no override (the old folder it refuses)."""
+    from draftsmith.decode.evaluate import run as evaluate
+
+    root, m0 = loop_dirs["root"], loop_dirs["m0"]
+    noisy = tmp_path / "v0-noise"
+    model = load_verifier(OmegaConf.create({"name": "v0", "source": "hf", "path": str(root / "v0"),
+                                            "dtype": "float32"})).model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.add_(1e-4 * torch.randn_like(model.model.layers[-1].mlp.down_proj.weight))
+    model.save_pretrained(noisy)
+    tiny_tokenizer().save_pretrained(noisy)
+    check = refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
+        f"model.path={noisy}", f"drafter={m0}", f"output_dir={tmp_path}/check", "check_only=true"]))
+    assert check["outcome"]["drafter"] is None and not (tmp_path / "check" / "checked").exists()  # check_only writes none
+    report = refresh.run(compose_config("refresh", tiny_model_overrides(root / "v0") + [
+        f"model.path={noisy}", f"drafter={m0}", f"output_dir={tmp_path}/refresh", "budget.steps=4"]))
+    out = capsys.readouterr().out
+    assert report["fingerprints"]["recorded"] != report["fingerprints"]["new"] and "no refresh needed" in out
+    checked = tmp_path / "refresh" / "checked"
+    assert report["outcome"]["drafter"] == str(checked) and not (tmp_path / "refresh" / "refreshed").exists()
+    assert f"next: python decode/evaluate.py drafter={checked} model=tiny" not in out  # (no preset named tiny)
+    assert f"next: python decode/evaluate.py drafter={checked} model.path={noisy}" in out
+    old, new = load_file(str(m0 / "model.safetensors")), load_file(str(checked / "model.safetensors"))
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)  # the same weights
+    meta = json.loads((checked / "meta.json").read_text())
+    assert meta["verifier_fingerprint"] == report["fingerprints"]["new"]
+    assert meta["checked_from"]["drafter"] == str(m0) and meta["checked_from"]["tau_on_new"] == report["old_on_new"]["tau"]
+    probe = probes.read_probe(checked)  # the next refresh's baseline: measured on the new verifier
+    assert probe["verifier_fingerprint"] == report["fingerprints"]["new"] and probe["tau"] == report["old_on_new"]["tau"]
+    assert probe["prompts"] == probes.read_probe(m0)["prompts"]
+    base = tiny_model_overrides(noisy) + ["method=medusa", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
+                                          "data.num_prompts=2",
+                                          "max_new_tokens=8", "hf.enabled=false"]
+    with pytest.raises(DraftsmithError, match="was trained against verifier"):
+        evaluate(compose_config("evaluate", base + [f"drafter={m0}", f"output_dir={tmp_path}/old"]))
+    result = evaluate(compose_config("evaluate", base + [f"drafter={checked}", f"output_dir={tmp_path}/eval"]))
+    assert result["methods"]["medusa"]["greedy_identity_rate"] == 1.0
+    assert "no refresh needed: the same weights, stamped for the new verifier" in (
+        tmp_path / "refresh" / "report.md").read_text()
 
 
 def test_a_fingerprint_mismatch_stops_evaluate_in_one_line(loop_dirs, tmp_path):

@@ -357,15 +357,17 @@ def record_probe(cfg, data: TrainData, drafter_dir: str, verifier) -> dict | Non
     from draftsmith.decode import probe as probes
     from draftsmith.models.checkpoint import load_drafter
 
-    prompts = probes.probe_prompts(data.eval, int(cfg.probe.num_prompts))
+    prompts = probes.probe_prompts(data.eval, probes.probe_size(cfg.probe.num_prompts, cfg.trainer.max_steps))
     if not prompts:
         print("probe: the held-out split has no prompt with an answer; no probe recorded")
         return None
+    print(f"probe: decoding {len(prompts)} held-out prompts x {cfg.probe.max_new_tokens} tokens with the drafter, the "
+          f"baseline of scripts/refresh.py (probe.num_prompts=0: no probe; =N: N prompts)", flush=True)
     drafter = load_drafter(drafter_dir, verifier_fingerprint=verifier.fingerprint, dtype=verifier.model.dtype)
     probe = probes.record(verifier, drafter, cfg.probe.decode, prompts, int(cfg.probe.max_new_tokens))
     probes.write_probe(drafter_dir, probe)
     print(f"probe: tau {probe['tau']:.2f} on {len(prompts)} held-out prompts x {probe['max_new_tokens']} tokens "
-          f"({probe['decode'].get('name')}, {probe['dtype']}) -> {drafter_dir}/probe.json")
+          f"({probe['decode'].get('name')}, {probe['dtype']}) in {probe['seconds']:.0f}s -> {drafter_dir}/probe.json")
     return probe
 
 
@@ -551,7 +553,10 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
             probe = record_probe(cfg, data, *recipe.probe(final))
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, which the entry
         tracker.finish()                  # script's launch() does at exit (scripts/refresh.py trains twice)
-    accelerator.print(f"{recipe.name} done: {step} steps in {elapsed:.0f}s, {recipe.report(metrics)}, drafter -> {final}")
+    probed = "" if probe is None else f"; probe tau {probe['tau']:.2f} in {probe['seconds']:.0f}s"
+    accelerator.print(f"{recipe.name} done: {step} steps in {elapsed:.0f}s, {recipe.report(metrics)}, drafter -> "
+                      f"{final}{probed}")
     return {"drafter_dir": str(final), "steps": step, **metrics, "best_step": best.get("step"), **progress(),
             "train_tokens_per_s": tokens * accelerator.num_processes / max(elapsed, 1e-9),
-            "probe_tau": None if probe is None else probe["tau"]}
+            "probe_tau": None if probe is None else probe["tau"],
+            "probe_s": None if probe is None else probe["seconds"]}
