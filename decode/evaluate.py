@@ -40,6 +40,12 @@ def check_drafter(cfg) -> str:
     refused here, before the verifier loads (load_drafter checks the folder's contents)."""
     kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
     if kind == "vanilla" or kind in DRAFT_FREE:
+        # a drafter the caller named would be ignored: refused. A config's own default drafter
+        # (evaluate.yaml's outputs/medusa-${model.name}/final) is an interpolation, no request.
+        if cfg.drafter is not None and not OmegaConf.is_interpolation(cfg, "drafter"):
+            raise DraftsmithError(f"drafter={cfg.drafter} would be ignored: method={cfg.method.name} decodes "
+                                  f"without a trained drafter; drop drafter=, or pick the method that decodes "
+                                  f"with it (method=medusa, eagle or draft)")
         return kind
     if not cfg.drafter:
         raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "

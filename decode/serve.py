@@ -7,7 +7,8 @@
 
 Endpoints: POST /v1/chat/completions (the verifier's chat template), POST /v1/completions,
 GET /v1/models, GET /health, GET /metrics (Prometheus text; speculative counters named like
-vLLM's spec_decode_*). Parameters: max_tokens, temperature, top_p, top_k (extra field), seed,
+vLLM's spec_decode_*). With an API key (`api_key=` or $DRAFTSMITH_API_KEY) every endpoint but
+/health (and /metrics with open_metrics=true) needs `Authorization: Bearer <key>`; else 401. Parameters: max_tokens, temperature, top_p, top_k (extra field), seed,
 stop, n, stream (+ stream_options.include_usage); responses carry usage and are built from the
 `openai` package's own types.
 
@@ -21,8 +22,13 @@ back while it ends inside a multi-byte character or could still become a stop st
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import os
 import queue
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -248,14 +254,122 @@ def first_stop(text: str, stop: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------ who may call the server
+# Self-contained: an ASGI middleware in front of the whole app, a key resolved once at start. The
+# engine and the endpoints know nothing of it.
+
+API_KEY_ENV = "DRAFTSMITH_API_KEY"
+API_KEY_ARG = "api_key="
+ALWAYS_OPEN = ("/health",)  # liveness probes never carry a key
+
+
+def resolve_api_key(cfg: DictConfig, environ=os.environ) -> str | None:
+    """The key requests must carry: `api_key`, else $DRAFTSMITH_API_KEY, else None (no key: open).
+    A key that HTTP cannot carry as typed is refused in one line that never shows the key."""
+    key, source = cfg.get("api_key"), "api_key"
+    if key is None:
+        key, source = environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
+    if key is None:
+        if cfg.get("open_metrics"):
+            raise DraftsmithError(f"open_metrics=true would be ignored: without an API key (api_key= or "
+                                  f"${API_KEY_ENV}) every endpoint is open; drop open_metrics or set a key")
+        return None
+    if not isinstance(key, str):  # composed by Hydra, api_key=12345 is a number and api_key=1e3 is 1000.0
+        raise DraftsmithError(f"{source} must be text, not a {type(key).__name__}: quote it "
+                              f"(api_key=\"'...'\") or pass it in ${API_KEY_ENV}")
+    if not key:
+        raise DraftsmithError(f"{source} is set but empty: set a key, or unset it to serve without one")
+    if not all(33 <= ord(c) <= 126 for c in key):
+        raise DraftsmithError(f"{source} holds a space, a control or a non-ASCII character, which an HTTP "
+                              f"Authorization header cannot carry as typed; use printable ASCII")
+    return key
+
+
+def take_api_key_argument(argv: list[str], environ=os.environ) -> list[str]:
+    """argv without `api_key=...`, whose value moves to $DRAFTSMITH_API_KEY verbatim: Hydra then
+    never parses it (a key of digits stays text; one holding `,` or `=` is no grammar error, which
+    Hydra would print with the key in it) and never prints it (its crash report lists every override)."""
+    rest = []
+    for arg in argv:
+        if arg.startswith(API_KEY_ARG):
+            value = arg[len(API_KEY_ARG):]
+            if value.startswith(("'", '"')) and len(value) >= 2 and value[-1] == value[0]:
+                value = value[1:-1]  # api_key="'0123'": Hydra's quoting, taken off as Hydra would
+            if value == "null":  # api_key=null: the yaml's own "no key from the command line"
+                continue
+            environ[API_KEY_ENV] = value
+        else:
+            rest.append(arg)
+    return rest
+
+
+def bearer_matches(header: bytes | None, key: bytes) -> bool:
+    """Does an Authorization header value carry `Bearer <key>`? Constant-time in the key."""
+    scheme, _, token = (header or b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: a request to any path but `open_paths` without `Authorization: Bearer
+    <key>` gets a 401 with an OpenAI-style error body (the openai client raises AuthenticationError)."""
+
+    def __init__(self, app, key: str, open_paths: tuple[str, ...]):
+        self.app, self.key, self.open_paths = app, key.encode("ascii"), open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization")
+        if bearer_matches(header, self.key):
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        message = ("this server needs an API key: send the header 'Authorization: Bearer <key>' (the openai "
+                   "client's api_key)" if header is None else
+                   "incorrect API key: send the server's key as 'Authorization: Bearer <key>'")
+        body = error_body(message, None, "invalid_request_error", "invalid_api_key")
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def require_api_key(app, cfg: DictConfig) -> str | None:
+    """Put ApiKeyAuth in front of `app` when a key is set; -> a line describing who may call."""
+    key = resolve_api_key(cfg)
+    if key is None:
+        return None
+    open_paths = ALWAYS_OPEN + (("/metrics",) if cfg.get("open_metrics") else ())
+    app.add_middleware(ApiKeyAuth, key=key, open_paths=open_paths)
+    return f"API key required (except {', '.join(open_paths)})"
+
+
+def is_loopback(host: str) -> bool:
+    """Does `host` (an address or a name) reach this machine only? Unresolvable names: no."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def exposure_warning(host: str, port: int, key: str | None) -> str | None:
+    """One line when the server listens beyond this machine with no key; None otherwise."""
+    if key is not None or is_loopback(str(host)):
+        return None
+    return (f"draftsmith serve: warning: host={host} listens beyond this machine and no API key is set: anyone who "
+            f"can reach port {port} may use this server; set ${API_KEY_ENV} (or api_key=), or host=127.0.0.1")
+
+
 # ------------------------------------------------------------------ the app
 
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
-
-
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def make_app(engine: Engine, cfg: DictConfig):
@@ -269,6 +383,7 @@ def make_app(engine: Engine, cfg: DictConfig):
     from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
     app = FastAPI(title="draftsmith", version="0.1.0")
+    app.state.access = require_api_key(app, cfg)  # who may call: self-contained, in front of every route
     created = int(time.time())
 
     def bad(message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"):
@@ -464,6 +579,10 @@ def make_app(engine: Engine, cfg: DictConfig):
 def run(cfg: DictConfig) -> dict:
     import uvicorn
 
+    key = resolve_api_key(cfg)  # a bad key setting: refused before the verifier loads
+    warning = exposure_warning(cfg.host, cfg.port, key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     engine = Engine(cfg)
@@ -473,12 +592,13 @@ def run(cfg: DictConfig) -> dict:
     print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
           f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; "
           f"{drafter}; "
-          f"one request at a time behind a queue of {cfg.max_queue}", flush=True)
+          f"one request at a time behind a queue of {cfg.max_queue}; {app.state.access or 'no API key'}", flush=True)
     uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
     return {"url": f"http://{cfg.host}:{cfg.port}/v1"}
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = take_api_key_argument(sys.argv[1:])  # the key never reaches Hydra's parser or its reports
     try:
         launch("serve", run)
     except DraftsmithError as e:  # pragma: no cover - launch already prints one line

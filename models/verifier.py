@@ -201,11 +201,63 @@ def _unavailable(model_cfg, why: str) -> DraftsmithError:
         f"download them where you have network and run with model.path=/path/to/local/hf/folder")
 
 
+# A drafter folder's kind (its config.json `draftsmith` block, meta.json or export.json) -> what
+# it is called and the method that decodes with it. Draft models are absent on purpose: a draft
+# model folder IS a causal LM (HF assisted generation loads one through load_verifier, and
+# measuring a draft's own plain decoding with method=vanilla is a fair use), so it loads.
+DRAFTER_FOLDERS = {"medusa": ("a Medusa heads folder", "medusa"), "eagle": ("an EAGLE drafter", "eagle")}
+EAGLE_LABELS = {"eagle1": "an EAGLE-1 drafter", "eagle3": "an EAGLE-3 drafter"}
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's object, or {} when it is absent, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def drafter_folder_problem(folder: Path) -> str | None:
+    """One line saying what a draftsmith drafter folder given as `model.path` is and which key
+    takes it (`drafter=`), or None for any other folder. Recognised by the files draftsmith
+    writes: meta.json kind "medusa2" (a Medusa-2 output: heads/ + verifier/), config.json's
+    `draftsmith` block (Medusa heads, EAGLE), export.json (scripts/export.py)."""
+    from draftsmith.models.checkpoint import MEDUSA2_PARTS
+
+    meta, config, export = (_json_object(folder / name) for name in ("meta.json", "config.json", "export.json"))
+    if meta.get("kind") == "medusa2":
+        heads, tuned = (folder / part for part in MEDUSA2_PARTS)
+        return (f"model.path={folder} is a Medusa-2 output (heads/ and the tuned verifier/), not a verifier: "
+                f"pass model.path={tuned} drafter={heads} method=medusa")
+    block = config.get("draftsmith")
+    if not isinstance(block, dict):  # draftsmith <= 0.1 kept {"kind", "config"} at the top of config.json
+        block = config if "kind" in config and "config" in config else {}
+    kind, origin = block.get("kind"), "trained by draftsmith"
+    if kind is None and export.get("kind") is not None:
+        kind, origin = export.get("kind"), f"exported by scripts/export.py, format={export.get('format')}"
+    if kind not in DRAFTER_FOLDERS:
+        return None
+    label, method = DRAFTER_FOLDERS[kind]
+    settings = block.get("config") if isinstance(block.get("config"), dict) else {}
+    label = EAGLE_LABELS.get(settings.get("variant"), label) if kind == "eagle" else label
+    parent = folder.parent
+    if folder.name == MEDUSA2_PARTS[0] and _json_object(parent / "meta.json").get("kind") == "medusa2":
+        return (f"model.path={folder} is the heads of the Medusa-2 output {parent}, not a verifier: pass "
+                f"drafter={folder} method={method} model.path={parent / MEDUSA2_PARTS[1]}")
+    trained = meta.get("verifier_name") or export.get("verifier_name")
+    return (f"model.path={folder} is {label} ({origin}), not a verifier: pass it as drafter={folder} "
+            f"method={method}, and point model.path at its verifier" + (f" ({trained})" if trained else ""))
+
+
 def resolve_path(model_cfg) -> Path | str:
     """A local folder holding the verifier (converting or locating it), or a hub id to download."""
     source = model_cfg.get("source", "hf")
     path = str(model_cfg.path)
     if Path(path).expanduser().is_dir():  # a local copy always wins
+        problem = drafter_folder_problem(Path(path).expanduser())
+        if problem:
+            raise DraftsmithError(problem)
         return Path(path).expanduser()
     if source == "gguf_package":
         target = cache_root(model_cfg) / "verifiers" / model_cfg.name

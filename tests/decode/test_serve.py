@@ -3,8 +3,12 @@ to decode/evaluate.py's, seeded sampling reproducible, streaming (SSE, usage), n
 the bounded queue (429), a disconnecting client freeing the engine, timeouts, /metrics, and a
 400 naming the field for every kind of bad input, after which the server keeps serving."""
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,8 +16,10 @@ import torch
 import uvicorn
 
 from draftsmith.decode.probe import write_probe
+from draftsmith.decode import serve
 from draftsmith.decode.serve import Engine, TextStream, make_app
 from draftsmith.models.checkpoint import save_drafter
+from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import fingerprint
 from scripts.bench_serve import free_port
@@ -46,9 +52,9 @@ def serve_cfg(tiny_model_dir, drafter, *extra):
 
 
 class Server:
-    """make_app's app under uvicorn in a thread, on a free port."""
+    """make_app's app under uvicorn in a thread, on a free port; `client` sends `api_key`."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, api_key: str = "none"):
         self.engine = Engine(cfg)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.engine, cfg), host="127.0.0.1", port=self.port,
@@ -58,7 +64,7 @@ class Server:
         while not self.server.started:
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
 
     def stop(self):
         self.server.should_exit = True
@@ -249,3 +255,163 @@ def test_a_draft_model_served_as_draft_cpu(tiny_model_dir, server, tmp_path):
         assert sampled[0] == sampled[1]
     finally:
         s.stop()
+
+
+# ------------------------------------------------------------------ who may call the server
+
+KEY = "sk-test-9f3c0e1d"
+
+
+def test_an_api_key_admits_the_right_key_only(tiny_model_dir, drafter, monkeypatch):
+    """The real openai client with the right key, a wrong key and no key at all; /health stays
+    open, /metrics needs the key unless open_metrics=true. The key comes from the environment here
+    and from api_key= in the next server (the config wins over the environment)."""
+    monkeypatch.setenv(serve.API_KEY_ENV, KEY)
+    s = Server(serve_cfg(tiny_model_dir, drafter), api_key=KEY)
+    try:
+        ok = s.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0)
+        assert ok.choices[0].message.content is not None
+        streamed = list(s.client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0,
+                                                    stream=True))
+        assert streamed and all(c.object == "text_completion" for c in streamed)
+        wrong = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-wrong", max_retries=0)
+        for client, headers, why in [(wrong, None, "incorrect API key"),
+                                     (s.client, {"Authorization": openai.omit}, "needs an API key")]:
+            for call in (lambda: client.models.list(extra_headers=headers),
+                         lambda: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                                                extra_headers=headers),
+                         lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=4, stream=True,
+                                                           extra_headers=headers)):
+                with pytest.raises(openai.AuthenticationError) as refused:
+                    call()
+                assert refused.value.status_code == 401
+                error = refused.value.body
+                assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error", error
+                assert why in error["message"] and KEY not in refused.value.response.text
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": KEY}).status_code == 401  # no "Bearer"
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        assert httpx.get(f"{s.url}/docs").status_code == 401  # every route but the open ones
+        assert httpx.get(f"{s.url}/health").json()["status"] == "ok"  # liveness probes carry no key
+        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        metrics = httpx.get(f"{s.url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert "draftsmith:requests_total 2" in metrics.text  # the refused requests never reached the engine
+    finally:
+        s.stop()
+    s = Server(serve_cfg(tiny_model_dir, drafter, "api_key=from-config", "open_metrics=true"), api_key="from-config")
+    try:
+        assert s.client.models.list().data[0].id == "tiny"
+        with pytest.raises(openai.AuthenticationError):  # the environment's key is not the server's now
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0).models.list()
+        assert httpx.get(f"{s.url}/metrics").status_code == 200 and httpx.get(f"{s.url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("setting, env, message", [
+    (["api_key=''"], None, "api_key is set but empty"),
+    ([], "", "$DRAFTSMITH_API_KEY is set but empty"),
+    (["api_key=12345"], None, "api_key must be text, not a int: quote it"),
+    (["api_key='two words'"], None, "api_key holds a space"),
+    ([], "caf\u00e9-key", "$DRAFTSMITH_API_KEY holds a space, a control or a non-ASCII character"),
+    (["open_metrics=true"], None, "open_metrics=true would be ignored: without an API key"),
+])
+def test_a_key_setting_that_cannot_work_is_refused_before_loading(tiny_model_dir, drafter, monkeypatch, setting, env,
+                                                                  message):
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    if env is not None:
+        monkeypatch.setenv(serve.API_KEY_ENV, env)
+    cfg = serve_cfg(tiny_model_dir, drafter, *setting)
+    monkeypatch.setattr(serve, "Engine", lambda cfg: pytest.fail("the verifier loaded"))
+    with pytest.raises(DraftsmithError) as refused:
+        serve.run(cfg)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert "12345" not in str(refused.value) and "words" not in str(refused.value)  # the key is never shown
+
+
+def test_api_key_argument_leaves_argv_before_hydra_sees_it():
+    environ = {}
+    argv = serve.take_api_key_argument(["method=vanilla", "api_key=12345,a=b$x", "port=1"], environ)
+    assert argv == ["method=vanilla", "port=1"] and environ[serve.API_KEY_ENV] == "12345,a=b$x"  # as typed
+    assert serve.take_api_key_argument(["api_key='0123'"], environ) == [] and environ[serve.API_KEY_ENV] == "0123"
+    environ = {}
+    assert serve.take_api_key_argument(["api_key=null", "host=0.0.0.0"], environ) == ["host=0.0.0.0"]
+    assert environ == {}
+
+
+def test_bearer_matches_only_the_key():
+    key = b"sk-abc"
+    assert serve.bearer_matches(b"Bearer sk-abc", key) and serve.bearer_matches(b"bearer  sk-abc ", key)
+    for header in (None, b"", b"sk-abc", b"Basic sk-abc", b"Bearer sk-ab", b"Bearer sk-abcd", b"Bearer "):
+        assert not serve.bearer_matches(header, key), header
+
+
+def test_exposure_warning_only_beyond_loopback_without_a_key():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert serve.exposure_warning(host, 8000, None) is None, host
+    for host in ("0.0.0.0", "::", "192.0.2.7"):
+        line = serve.exposure_warning(host, 8000, None)
+        assert line.startswith(f"draftsmith serve: warning: host={host} listens beyond this machine") and "\n" not in line
+        assert serve.exposure_warning(host, 8000, KEY) is None
+
+
+def test_start_warns_in_one_line_beyond_loopback_without_a_key(tiny_model_dir, drafter, monkeypatch, capsys):
+    """run(cfg) up to uvicorn (not started here: nothing binds 0.0.0.0 in a test): one warning line
+    on stderr without a key, none with one; the start line says who may call."""
+    import uvicorn
+
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: None)
+    serve.run(serve_cfg(tiny_model_dir, drafter, "host=0.0.0.0"))
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "warning" in line] == [serve.exposure_warning("0.0.0.0", 8000, None)]
+    assert out.strip().endswith("; no API key")
+    serve.run(serve_cfg(tiny_model_dir, drafter, "host=0.0.0.0", f"api_key={KEY}"))
+    out, err = capsys.readouterr()
+    assert "warning" not in err and out.strip().endswith("; API key required (except /health)") and KEY not in out + err
+
+
+def test_serve_entry_never_logs_the_key(tiny_model_dir):
+    """The script as users run it (Hydra, uvicorn's access log on), the key on its command line:
+    after a request without it, one with a wrong key and one with it, the key is in no output. The
+    key holds what Hydra's grammar refuses (`,` and `=`: its error would print the key); it must reach
+    the server as typed."""
+    key = "0123,sk-test=9f3c"
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != serve.API_KEY_ENV}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "decode/serve.py", *tiny_model_overrides(tiny_model_dir), "threads=1",
+                             f"port={port}", f"api_key={key}", "log_level=info"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, t0, codes = f"http://127.0.0.1:{port}", time.time(), []
+        while time.time() - t0 < 120:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Bearer {key}"}):
+            codes.append(httpx.post(f"{url}/v1/completions", headers=headers, timeout=60,
+                                    json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code)
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert codes == [401, 401, 200], output
+    assert "API key required (except /health)" in output and "POST /v1/completions" in output  # the access log ran
+    assert key not in output
+
+
+@pytest.mark.parametrize("config, method", [("serve", ["method=vanilla"]),
+                                            ("serve", ["method=lookahead", "decode=lookahead"]),
+                                            ("evaluate", ["method=prompt-lookup", "decode=prompt-lookup"])])
+def test_a_drafter_the_method_would_ignore_is_refused(tiny_model_dir, drafter, config, method):
+    from draftsmith.decode.evaluate import check_drafter
+    from tests.hub import compose_config
+
+    cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, f"drafter={drafter}"])
+    with pytest.raises(DraftsmithError, match=rf"^drafter={drafter} would be ignored: method=\S+ decodes without"):
+        Engine(cfg) if config == "serve" else check_drafter(cfg)
+    # ... while a config's own default drafter (evaluate.yaml's interpolation) and drafter=null are no request
+    assert check_drafter(compose_config(config, tiny_model_overrides(tiny_model_dir) + method)) != "medusa"
+    assert check_drafter(compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, "drafter=null"]))

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -115,3 +116,87 @@ def test_a_device_this_torch_cannot_use_stops_the_decoder_in_one_line(script, tm
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("draftsmith: error: device=cuda: torch "), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ a drafter folder given as model.path
+
+
+@pytest.fixture(scope="module")
+def drafter_folders(tmp_path_factory):
+    """Each kind of folder draftsmith writes, as its writers write it, against one tiny verifier."""
+    from draftsmith.models.checkpoint import MEDUSA2_PARTS, save_drafter
+    from draftsmith.models.draft import build_student, save_draft_model
+    from draftsmith.models.eagle import EagleConfig, EagleDrafter
+    from draftsmith.models.layouts import engine_config
+    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+
+    root = tmp_path_factory.mktemp("drafters")
+    model, tok = tiny_llama(dtype=torch.float32), tiny_tokenizer()
+    fp, mcfg = fingerprint(model), MedusaConfig(hidden_size=32, vocab_size=128, num_heads=2)
+    heads = MedusaHeads(mcfg, model.get_output_embeddings())
+    save_drafter(root / "medusa", "medusa", heads, mcfg, verifier_fingerprint=fp, verifier_name="tiny")
+    ecfg = EagleConfig(hidden_size=32, vocab_size=128, decoder_config=model.config.to_dict(), variant="eagle3",
+                       fusion_layers=[0, 1, 1], draft_vocab_size=64, lm_head="own")
+    save_drafter(root / "eagle3", "eagle", EagleDrafter(ecfg), ecfg, verifier_fingerprint=fp, verifier_name="tiny")
+    final = root / "medusa2" / "final"  # train/medusa.py's Medusa-2 output: heads/, verifier/, meta.json
+    save_drafter(final / MEDUSA2_PARTS[0], "medusa", heads, mcfg, verifier_fingerprint=fp, verifier_name="tiny-medusa2")
+    model.save_pretrained(final / MEDUSA2_PARTS[1])
+    tok.save_pretrained(final / MEDUSA2_PARTS[1])
+    (final / "meta.json").write_text(json.dumps({"kind": "medusa2", "tuned_fingerprint": fp}))
+    export = root / "export"  # scripts/export.py format=vllm: the engine's config.json (no draftsmith block) + export.json
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps(engine_config("medusa", mcfg)))
+    (export / "export.json").write_text(json.dumps({"format": "vllm", "kind": "medusa", "exported_from": "x",
+                                                    "verifier_fingerprint": fp, "verifier_name": "tiny"}))
+    student = build_student(model, tok, OmegaConf.create({"init": "truncate", "num_layers": 1}))
+    save_draft_model(root / "draft", student, tok, verifier_fingerprint=fp, verifier_name="tiny")
+    return root
+
+
+WHAT_IT_IS = {  # folder -> the one line load_verifier gives for it as model.path
+    "medusa": lambda p: f"model.path={p} is a Medusa heads folder (trained by draftsmith), not a verifier: pass it "
+                        f"as drafter={p} method=medusa, and point model.path at its verifier (tiny)",
+    "eagle3": lambda p: f"model.path={p} is an EAGLE-3 drafter (trained by draftsmith), not a verifier: pass it as "
+                        f"drafter={p} method=eagle, and point model.path at its verifier (tiny)",
+    "medusa2/final": lambda p: f"model.path={p} is a Medusa-2 output (heads/ and the tuned verifier/), not a "
+                               f"verifier: pass model.path={p}/verifier drafter={p}/heads method=medusa",
+    "medusa2/final/heads": lambda p: f"model.path={p} is the heads of the Medusa-2 output {p.parent}, not a "
+                                     f"verifier: pass drafter={p} method=medusa model.path={p.parent}/verifier",
+    "export": lambda p: f"model.path={p} is a Medusa heads folder (exported by scripts/export.py, format=vllm), not "
+                        f"a verifier: pass it as drafter={p} method=medusa, and point model.path at its verifier (tiny)",
+}
+
+
+@pytest.mark.parametrize("name", WHAT_IT_IS)
+def test_a_drafter_folder_as_model_path_says_what_it_is_and_which_key_takes_it(drafter_folders, name):
+    from draftsmith.models.verifier import read_verifier_tensor
+
+    path = drafter_folders / name
+    with pytest.raises(DraftsmithError) as refused:
+        load_verifier(_cfg(path))
+    assert str(refused.value) == WHAT_IT_IS[name](path)
+    with pytest.raises(DraftsmithError, match="not a verifier"):  # every reader of model.path: one home
+        read_verifier_tensor(_cfg(path), ("lm_head.weight",), (128, 32))
+
+
+def test_a_draft_model_folder_still_loads_as_a_verifier(drafter_folders):
+    """A draft model IS a causal LM with the verifier's tokenizer: HF assisted generation loads it
+    through load_verifier (decode/evaluate.py hf.assistant), and its own plain decoding is a fair
+    measurement. So it loads; so does the tuned verifier of a Medusa-2 output."""
+    draft = load_verifier(_cfg(drafter_folders / "draft"))
+    assert draft.config.num_hidden_layers == 1
+    tuned = load_verifier(_cfg(drafter_folders / "medusa2" / "final" / "verifier"))
+    assert tuned.fingerprint == fingerprint(tiny_llama(dtype=torch.float32))
+
+
+def test_evaluate_with_a_medusa_folder_as_model_path_stops_in_one_line(drafter_folders, tmp_path):
+    """The slip as users make it: the preset, and model.path at the heads (it was a transformers
+    ValueError under a Hydra traceback)."""
+    proc = subprocess.run([sys.executable, "decode/evaluate.py", "model=smollm2-135m",
+                           f"model.path={drafter_folders / 'medusa2' / 'final' / 'heads'}", "method=vanilla",
+                           "drafter=null", "data=tiny", f"output_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("draftsmith: error: model.path="), proc.stderr[-2000:]
+    assert f"drafter={drafter_folders / 'medusa2' / 'final' / 'heads'}" in lines[0]
