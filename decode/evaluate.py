@@ -236,15 +236,19 @@ def method_stats(outputs, latencies, max_depth: int) -> dict:
     return stats
 
 
-def model_overrides(model_cfg) -> list[str]:
-    """Overrides that give an evaluate config this `model` node (its dtype excepted: callers set it)."""
-    return [f"++model.{k}={'null' if v is None else v}" for k, v in model_cfg.items() if k != "dtype"]
-
-
-def evaluate_config(overrides: list[str]) -> DictConfig:
-    """The conf/evaluate.yaml config with these overrides, composed from Python or from inside
-    another script's Hydra app (scripts/compare.py, scripts/learning_curve.py)."""
-    return compose_main("evaluate", overrides)
+def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> DictConfig:
+    """The conf/evaluate.yaml config with these overrides and, when given, this whole `model` node
+    (the caller's verifier, dtype included), composed from Python or from inside another
+    script's Hydra app (scripts/compare.py, scripts/learning_curve.py)."""
+    if model is not None:
+        given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "model"]
+        if given:
+            raise DraftsmithError(f"{given[0]}: the verifier (model.*) is set once for the whole run, not per "
+                                  f"cell; set it at the top level (e.g. model.dtype=..., model.path=...)")
+    cfg = compose_main("evaluate", overrides)
+    if model is not None:
+        OmegaConf.update(cfg, "model", OmegaConf.create(OmegaConf.to_container(model, resolve=True)), merge=False)
+    return cfg
 
 
 def run(cfg: DictConfig) -> dict:

@@ -109,6 +109,22 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
     return mistyped_override(cfg, full, args) or (source_key_problem(full.data) if "data" in full else None)
 
 
+def model_overrides(model: DictConfig) -> list[str]:
+    """The command-line overrides that give a child entry script this `model` node: its preset
+    (`model=<name>`, when conf/model/<name>.yaml exists), its dtype and every key that differs. For
+    a script run in this process, pass the node itself (OmegaConf.merge), never these strings."""
+    preset = CONF_DIR / "model" / f"{model.name}.yaml"
+    base = OmegaConf.load(preset if preset.is_file() else CONF_DIR / "model" / f"{DEFAULT_MODEL}.yaml")
+    args = [f"model={model.name}"] if preset.is_file() else []
+    for key, value in model.items():
+        if key not in base or base[key] != value or key == "dtype":  # (a main config may set its own dtype)
+            args.append(f"{'' if key in base else '++'}model.{key}={'null' if value is None else value}")
+    return args
+
+
+DEFAULT_MODEL = "smollm2-135m"  # the model preset every main config starts from
+
+
 def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:
     """Compose the config like Hydra would and stop on a bad override before any work starts."""
     problem = config_problem(config_name, sys.argv[1:] if argv is None else argv)

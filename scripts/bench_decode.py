@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from draftsmith.decode import evaluate
 from draftsmith.decode.engine import sync_device
 from draftsmith.models.entry import launch
+from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier, resolve_device
 
 
@@ -60,6 +61,9 @@ def verify_cost(model, cache_len: int, ks: list[int], repeats: int) -> dict[int,
 
 
 def run(cfg: DictConfig) -> dict:
+    if cfg.model.dtype is not None:  # each run's dtype comes from dtypes: a model.dtype would be ignored
+        raise DraftsmithError(f"model.dtype={cfg.model.dtype} would be ignored: bench_decode measures each of "
+                              f"dtypes={list(cfg.dtypes)}; pass dtypes=[{cfg.model.dtype}] instead")
     evaluate.check_drafter(cfg)  # before the verify-cost measurement, not after it
     device = resolve_device(cfg.device)
     out_dir = Path(cfg.output_dir)

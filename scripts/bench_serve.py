@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import percentile, prompt_ids, save_plot
-from draftsmith.models.entry import CONF_DIR, compose_main, launch
+from draftsmith.models.entry import CONF_DIR, compose_main, launch, model_overrides
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier, resolve_device
@@ -113,8 +113,7 @@ def run(cfg: DictConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads)}
     torch.set_num_threads(int(cfg.threads))
-    base = [f"model={cfg.verifier}", f"model.dtype={cfg.dtype}", f"device={cfg.device}", f"threads={cfg.threads}",
-            f"max_queue={max(cfg.clients) + 1}"]
+    base = server_args(cfg)
     # the offline reference: the engine's plain greedy output per prompt (lossless = the same text)
     serve_cfg = compose_main("serve", base)
     verifier = load_verifier(serve_cfg.model, device=device)
@@ -127,7 +126,7 @@ def run(cfg: DictConfig) -> dict:
     del verifier
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the servers load their own copies on the same GPU
-    report = {"verifier": cfg.verifier, "dtype": cfg.dtype, "device": str(device),
+    report = {"verifier": cfg.model.name, "dtype": cfg.model.dtype, "device": str(device),
               "threads": cfg.threads, "cpus": os.cpu_count(),
               "max_tokens": cfg.max_tokens, "load_avg_1m_before": os.getloadavg()[0], "runs": {}}
     for name, overrides in cfg.servers.items():
@@ -136,7 +135,7 @@ def run(cfg: DictConfig) -> dict:
         try:
             for n in cfg.clients:
                 requests = max(int(cfg.requests), int(n))
-                res = load_test(f"http://127.0.0.1:{port}", cfg.verifier, prompts, int(n), requests, cfg.max_tokens)
+                res = load_test(f"http://127.0.0.1:{port}", cfg.model.name, prompts, int(n), requests, cfg.max_tokens)
                 ok = [r for r in res["results"] if r["ok"]]
                 tokens = sum(r["tokens"] for r in ok)
                 ttft = [r["ttft_s"] for r in ok]
@@ -167,14 +166,19 @@ def run(cfg: DictConfig) -> dict:
         ax.legend()
 
     save_plot(out_dir / "bench_serve.png", draw, xlabel="concurrent streaming clients", ylabel="tokens / s",
-              xscale="log", title=f"decode/serve.py, {cfg.verifier} {cfg.dtype}")
+              xscale="log", title=f"decode/serve.py, {cfg.model.name} {cfg.model.dtype}")
     print(table)
     return report
 
 
+def server_args(cfg: DictConfig) -> list[str]:
+    """decode/serve.py overrides every server shares: this benchmark's verifier (model.*), device, threads."""
+    return [*model_overrides(cfg.model), f"device={cfg.device}", f"threads={cfg.threads}",
+            f"max_queue={max(cfg.clients) + 1}"]
+
+
 def compose_data(cfg):
-    return compose_main("evaluate", [f"model={cfg.verifier}", f"data={cfg.prompts}",
-                                     f"data.num_prompts={cfg.num_prompts}"]).data
+    return compose_main("evaluate", [f"data={cfg.prompts}", f"data.num_prompts={cfg.num_prompts}"]).data
 
 
 def markdown(report: dict) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from draftsmith.models.entry import launch, run_measured
+from draftsmith.models.entry import launch, model_overrides, run_measured
 from draftsmith.models.errors import choose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,19 +35,24 @@ def read_metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
     return rows
 
 
+def train_args(cfg: DictConfig) -> list[str]:
+    """train/medusa.py overrides every case shares: this benchmark's verifier (model.*), data, steps."""
+    return [*model_overrides(cfg.model), f"data={cfg.dataset}", f"trainer.max_steps={cfg.steps}",
+            f"trainer.eval_every={cfg.eval_every}", f"trainer.save_every={cfg.steps}", "trainer.resume=false",
+            f"method.lm_head={cfg.lm_head}", "logger=csv", *cfg.overrides]
+
+
 def run(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "WANDB_MODE": "offline"}
-    common = [f"model={cfg.verifier}", f"data={cfg.dataset}", f"trainer.max_steps={cfg.steps}",
-              f"trainer.eval_every={cfg.eval_every}", f"trainer.save_every={cfg.steps}", "trainer.resume=false",
-              f"method.lm_head={cfg.lm_head}", f"model.dtype={cfg.verifier_dtype}", "logger=csv", *cfg.overrides]
+    common = train_args(cfg)
     report = {"steps": cfg.steps, "batch_size": cfg.batch_size, "target_tau": cfg.target_tau, "cases": {},
               "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
     features = out_dir / "features"
     if any(name.startswith("offline") for name in cfg.cases):
-        seconds, rss = run_measured([sys.executable, "scripts/prepare_features.py", f"model={cfg.verifier}",
-                                     f"data={cfg.dataset}", f"model.dtype={cfg.verifier_dtype}",
+        seconds, rss = run_measured([sys.executable, "scripts/prepare_features.py", *model_overrides(cfg.model),
+                                     f"data={cfg.dataset}",
                                      f"dtype={cfg.feature_dtype}", f"output_dir={features}",
                                      *[o for o in cfg.overrides if o.startswith(("model.", "data."))]], env)
         report["prepare_features"] = {"seconds": seconds, "peak_rss_gb": rss}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.decode.evaluate import evaluate_config, model_overrides
+from draftsmith.decode.evaluate import evaluate_config
 from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
@@ -44,13 +44,16 @@ def prompts_for(cfg: DictConfig, dataset: str):
 
 def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature: float, out: Path, hf: bool,
                 dtype: str | None = None):
+    """One cell's evaluate config: this comparison's `model` node (model.dtype, or `dtype` for the
+    plain cells timed in each of plain_dtypes) and the method's overrides."""
     n = prompts_for(cfg, dataset)
-    return evaluate_config([*model_overrides(cfg.model), f"model.dtype={dtype or cfg.dtype}", f"data={dataset}",
+    model = cfg.model if dtype is None else OmegaConf.merge(cfg.model, {"dtype": dtype})
+    return evaluate_config([f"data={dataset}",
                             f"data.num_prompts={'null' if n is None else n}", f"max_new_tokens={cfg.max_new_tokens}",
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
                             f"device={resolve_device(cfg.device)}",  # auto resolved: a reused cell ran on this device
-                            f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides])
+                            f"threads={cfg.threads or 'null'}", f"output_dir={out}", *overrides], model=model)
 
 
 def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
@@ -207,8 +210,8 @@ def markdown(rows: list[dict], cfg, fastest: dict[str, dict]) -> str:
     plain = ", ".join(f"{d}: {f['dtype']} {f['tokens_per_s']:.1f} tok/s" for d, f in fastest.items())
     counts = (", ".join(f"{d} {prompts_for(cfg, d) or 'all'}" for d in cfg.datasets) + " prompts"
               if isinstance(cfg.num_prompts, DictConfig) else f"{cfg.num_prompts or 'all'} prompts per dataset")
-    lines = [f"{cfg.model.name} ({cfg.dtype}), {counts}, {cfg.max_new_tokens} new tokens; "
-             f"speedup = tokens/s vs plain {cfg.dtype} decoding interleaved in the same cell"
+    lines = [f"{cfg.model.name} ({cfg.model.dtype}), {counts}, {cfg.max_new_tokens} new tokens; "
+             f"speedup = tokens/s vs plain {cfg.model.dtype} decoding interleaved in the same cell"
              + (f"; in brackets vs the fastest plain decoding timed alone ({plain})" if fastest else ""), "",
              f"| method | {head} | greedy identical |", "|---|" + "---|" * (len(cells) + 1)]
     for method in dict.fromkeys(r["method"] for r in rows):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.decode.evaluate import evaluate_config, model_overrides
+from draftsmith.decode.evaluate import evaluate_config
 from draftsmith.decode.evaluate import run as evaluate
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
@@ -44,16 +44,22 @@ def snapshots(run_dir: Path) -> list[Path]:
 
 def decode_tau(cfg: DictConfig, name: str, snap: Path, out: Path) -> dict:
     """The greedy decode report of one snapshot (reused when out/results.json has the same settings)."""
-    overrides = [*model_overrides(cfg.model), *str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"model.dtype={cfg.dtype}",
-                 f"data={cfg.dataset}", f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-                 "temperature=0.0", "hf.enabled=false", f"device={resolve_device(cfg.device)}", f"threads={cfg.threads or 'null'}",
-                 f"output_dir={out}"]
-    done = out / "overrides.json"
-    if done.is_file() and json.loads(done.read_text()) == overrides and (out / "results.json").is_file():
+    cell = snapshot_config(cfg, name, snap, out)
+    want = OmegaConf.to_yaml(cell, resolve=True)
+    done = out / "cell.yaml"
+    if done.is_file() and done.read_text() == want and (out / "results.json").is_file():
         return json.loads((out / "results.json").read_text())
-    report = evaluate(evaluate_config(overrides))
-    done.write_text(json.dumps(overrides))
+    report = evaluate(cell)
+    done.write_text(want)
     return report
+
+
+def snapshot_config(cfg: DictConfig, name: str, snap: Path, out: Path) -> DictConfig:
+    """The evaluate config that decodes one snapshot: this run's `model` node (model.dtype too)."""
+    return evaluate_config([*str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"data={cfg.dataset}",
+                            f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
+                            "temperature=0.0", "hf.enabled=false", f"device={resolve_device(cfg.device)}",
+                            f"threads={cfg.threads or 'null'}", f"output_dir={out}"], model=cfg.model)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -65,7 +71,7 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError("no runs given; pass runs.<method>=<training output_dir>, e.g. "
                               "runs.eagle3=outputs/long/eagle3")
     report = {"dataset": cfg.dataset, "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens,
-              "dtype": cfg.dtype, "runs": {}}
+              "dtype": cfg.model.dtype, "runs": {}}
     for name, run_dir in runs.items():
         points = []
         for snap in snapshots(run_dir):

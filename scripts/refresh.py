@@ -42,7 +42,7 @@ from draftsmith.models.checkpoint import (
     write_atomic_dir,
     write_atomic_text,
 )
-from draftsmith.models.entry import CONF_DIR, compose_main, launch
+from draftsmith.models.entry import CONF_DIR, compose_main, launch, model_overrides
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import MANIFEST_FILE
 from draftsmith.models.verifier import load_verifier
@@ -181,7 +181,8 @@ def markdown(report: dict) -> str:
             f"({report['probe']['decode']}, {report['probe']['dtype']})\n\n" + "\n".join(rows) + tail)
 
 
-def still_serves(report: dict, path: Path, out: Path, cfg: DictConfig, probe: dict, write: bool) -> dict:
+def still_serves(report: dict, path: Path, out: Path, cfg: DictConfig, model_cfg: DictConfig, probe: dict,
+                 write: bool) -> dict:
     """No refresh needed: the old drafter serves the new verifier. With a changed fingerprint,
     output_dir/checked is the same drafter (same files, same weights) stamped for the new verifier:
     meta.json's verifier_fingerprint is the new one, `checked_from` names the old drafter and the
@@ -220,19 +221,14 @@ def still_serves(report: dict, path: Path, out: Path, cfg: DictConfig, probe: di
     drafter = report["outcome"]["drafter"]
     print(f"refresh: {report['outcome']['how']}" + (f" -> {drafter}" if drafter else ""))
     if drafter:
-        print(f"refresh: next: python decode/evaluate.py drafter={drafter} {model_args(cfg.model)}")
+        print(f"refresh: next: python decode/evaluate.py drafter={drafter} {' '.join(model_overrides(model_cfg))}")
     return report
 
 
-def model_args(model: DictConfig) -> str:
-    """The overrides that name this verifier on another entry script's command line."""
-    preset = CONF_DIR / "model" / f"{model.name}.yaml"
-    args = [f"model={model.name}"] if preset.is_file() else []
-    base = OmegaConf.load(preset) if preset.is_file() else {}
-    for key in ("path", "source"):
-        if str(model.get(key)) != str(base.get(key)):
-            args.append(f"model.{key}={model.get(key)}")
-    return " ".join(args)
+def verifier_config(cfg: DictConfig, old_cfg: DictConfig) -> DictConfig:
+    """The new verifier's model node: model.dtype, or when null the old run's (taus compare only
+    in one dtype)."""
+    return OmegaConf.merge(cfg.model, {"dtype": cfg.model.dtype or old_cfg.model.get("dtype", "float32")})
 
 
 def run(cfg: DictConfig) -> dict:
@@ -250,7 +246,7 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"drafter={path} was trained from stored features of the OLD verifier "
                               f"(data.features={old_cfg.data.features}); rerun scripts/prepare_features.py with the "
                               f"new verifier, then train/{RECIPES[kind]}.py trainer.init_from={path}")
-    model_cfg = OmegaConf.merge(cfg.model, {"dtype": cfg.model.dtype or old_cfg.model.get("dtype", "float32")})
+    model_cfg = verifier_config(cfg, old_cfg)
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if report and report.get("drafter") != str(path):
@@ -304,7 +300,7 @@ def run(cfg: DictConfig) -> dict:
                                               f"; observed_tau={float(observed):.3f}: {decision_drop:+.1%}") +
               f" (threshold {cfg.threshold:.0%}) -> {'refresh' if needed else 'no refresh needed'}")
     if not needed and state.is_main_process:
-        report = still_serves(report, path, out, cfg, probe, write=not cfg.check_only)
+        report = still_serves(report, path, out, cfg, model_cfg, probe, write=not cfg.check_only)
     if cfg.check_only or not needed:
         state.wait_for_everyone()
         return report

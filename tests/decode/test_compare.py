@@ -11,7 +11,7 @@ from tests.hub import compose_config
 
 def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tmp_path, monkeypatch):
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
-        "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
+        "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6",
         "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "plain_dtypes=[float32,bfloat16]", "only=[prompt-lookup,lookahead,eagle1]",
         "methods={prompt-lookup: ['method=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
         " lookahead: ['method=lookahead', 'decode=lookahead', 'drafter=null'],"
@@ -101,7 +101,7 @@ def test_num_prompts_per_dataset(tmp_path):
 
 def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tiny_model_dir, tmp_path):
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
-        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=2", "max_new_tokens=6", "dtype=float32",
+        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=2", "max_new_tokens=6",
         "assistant=null", f"output_dir={tmp_path}", "plain_dtypes=[float32]", "plain_static=true", "only=[]"])
     result = run(cfg)
     plain = {r["method"]: r for r in result["rows"] if r["method"].startswith("plain-")}
@@ -132,7 +132,7 @@ def test_datastore_rows_need_their_datastore(tiny_model_dir, tmp_path, capsys):
                                        f"output_dir={tmp_path / 'none'}"]))
     assert not (tmp_path / "none").exists()
     result = run(compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
-        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=1", "max_new_tokens=4", "dtype=float32",
+        "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=1", "max_new_tokens=4",
         "assistant=null", "plain_dtypes=[]", f"datastore={tmp_path / 'ds'}", "only=[prompt-lookup,prompt-lookup-ds]",
         f"output_dir={tmp_path / 'some'}"]))
     assert [r["method"] for r in result["rows"]] == ["prompt-lookup"]

@@ -5,7 +5,7 @@ from tests.hub import CONF, compose_config
 
 MAIN_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 MODEL_PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-LAUNCHERS = {"bench_train": "verifier", "bench_selfdistill": "verifier", "bench_serve": "verifier"}
+LAUNCHERS = {"bench_selfdistill": "verifier"}  # runs other entry scripts, naming a model preset
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "accelerate")
 
 
@@ -25,7 +25,9 @@ def test_every_main_config_composes_with_every_model(main, model):
         return
     cfg = compose_config(main, [f"model={model}"])
     assert cfg.model.name == model
-    assert cfg.model.dtype in ("float32", "bfloat16", "float16")
+    # null: the dtype comes from elsewhere (refresh: the old run's; bench_decode: each of dtypes)
+    assert cfg.model.dtype in ("float32", "bfloat16", "float16") or (main in ("refresh", "bench_decode")
+                                                                     and cfg.model.dtype is None)
     for key in cfg:  # everything resolves (interpolations included)
         _ = cfg[key]
 

@@ -32,7 +32,7 @@ def test_snapshots_accumulate_tokens_across_a_resume_and_feed_the_curve(tiny_mod
 
     cfg = compose_config("learning_curve", tiny_model_overrides(tiny_model_dir) + [
         f"runs.eagle3={run_dir}", "decode.eagle3='method=eagle decode=eagle-static'", "dataset=tiny",
-        "num_prompts=2", "max_new_tokens=8", "dtype=float32", f"output_dir={tmp_path / 'curve'}"])
+        "num_prompts=2", "max_new_tokens=8", f"output_dir={tmp_path / 'curve'}"])
     report = learning_curve.run(cfg)
     points = report["runs"]["eagle3"]["points"]
     assert [p["step"] for p in points] == [2, 4, 6] and [p["tokens"] for p in points] == tokens
@@ -64,7 +64,7 @@ def test_a_draft_models_curve_reads_its_greedy_chain_tau(tiny_model_dir, tmp_pat
         "trainer.save_every=2", "trainer.snapshot_every=2", "logger=csv", f"output_dir={run_dir}",
         "method.student.num_layers=1", "probe.num_prompts=0"]))
     cfg = compose_config("learning_curve", tiny_model_overrides(tiny_model_dir) + [
-        f"runs.draft={run_dir}", "dataset=tiny", "num_prompts=2", "max_new_tokens=8", "dtype=float32",
+        f"runs.draft={run_dir}", "dataset=tiny", "num_prompts=2", "max_new_tokens=8",
         f"output_dir={tmp_path / 'curve'}"])
     points = learning_curve.run(cfg)["runs"]["draft"]["points"]
     metas = [json.loads((run_dir / "snapshots" / f"step-0000000{s}" / "meta.json").read_text())["metrics"] for s in (2, 4)]

@@ -246,8 +246,8 @@ def test_no_refresh_needed_leaves_a_drafter_that_evaluate_accepts_for_the_new_ve
     assert report["fingerprints"]["recorded"] != report["fingerprints"]["new"] and "no refresh needed" in out
     checked = tmp_path / "refresh" / "checked"
     assert report["outcome"]["drafter"] == str(checked) and not (tmp_path / "refresh" / "refreshed").exists()
-    assert f"next: python decode/evaluate.py drafter={checked} model=tiny" not in out  # (no preset named tiny)
-    assert f"next: python decode/evaluate.py drafter={checked} model.path={noisy}" in out
+    assert f"next: python decode/evaluate.py drafter={checked} model.name=tiny model.source=hf model.path={noisy} "\
+           "model.dtype=float32" in out
     old, new = load_file(str(m0 / "model.safetensors")), load_file(str(checked / "model.safetensors"))
     assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)  # the same weights
     meta = json.loads((checked / "meta.json").read_text())
