@@ -8,9 +8,10 @@
 Endpoints: POST /v1/chat/completions (the verifier's chat template), POST /v1/completions,
 GET /v1/models, GET /health, GET /metrics (Prometheus text; speculative counters named like
 vLLM's spec_decode_*). With an API key (`api_key=` or $DRAFTSMITH_API_KEY) every endpoint but
-/health (and /metrics with open_metrics=true) needs `Authorization: Bearer <key>`; else 401. Parameters: max_tokens, temperature, top_p, top_k (extra field), seed,
-stop, n, stream (+ stream_options.include_usage); responses carry usage and are built from the
-`openai` package's own types.
+/health (and /metrics with open_metrics=true) needs `Authorization: Bearer <key>`; else 401.
+Parameters: max_tokens, temperature, top_p, top_k (extra field), seed, stop, n, stream
+(+ stream_options.include_usage); responses carry usage and are built from the `openai`
+package's own types.
 
 Concurrency: requests wait in a bounded queue (`max_queue`; past it: 429) and ONE engine thread
 decodes them one at a time (batch-1 speculative decoding: the engine does not yet verify

@@ -108,8 +108,26 @@ def pretrained_student(path: str, verifier: PreTrainedModel, verifier_tokenizer)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=verifier.dtype, **NO_HUB_KERNELS)
 
 
+# method.student keys read by one init only (null in the presets): set under another init they
+# would be ignored, so they are refused. num_layers and trainable are read by more than one.
+STUDENT_KEYS_OF_INIT = {"hidden_size": "config", "intermediate_size": "config", "num_attention_heads": "config",
+                        "num_key_value_heads": "config", "path": "pretrained"}
+
+
+def check_student_keys(student_cfg) -> None:
+    """Refuse a method.student key that method.student.init would ignore, in one line."""
+    init = student_cfg.get("init")
+    for key, reader in STUDENT_KEYS_OF_INIT.items():
+        value = student_cfg.get(key)
+        if value is not None and init != reader:
+            raise DraftsmithError(f"method.student.{key}={value} would be ignored: it is read by "
+                                  f"method.student.init={reader} only (init={init}); pass "
+                                  f"method.student.init={reader}, or drop it")
+
+
 def build_student(verifier: PreTrainedModel, verifier_tokenizer, student_cfg) -> PreTrainedModel:
     """method.student -> a trainable causal LM with the verifier's vocabulary."""
+    check_student_keys(student_cfg)
     builders = {"truncate": lambda: truncated_student(verifier, int(student_cfg.num_layers)),
                 "config": lambda: fresh_student(verifier, student_cfg),
                 "pretrained": lambda: pretrained_student(student_cfg.get("path"), verifier, verifier_tokenizer)}

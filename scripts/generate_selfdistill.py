@@ -35,8 +35,8 @@ from tqdm import tqdm
 from draftsmith.decode import batch
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import write_atomic_text
-from draftsmith.models.entry import launch
-from draftsmith.models.errors import choose
+from draftsmith.models.entry import CONF_DIR, launch
+from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import MANIFEST_FILE, RECORDS_FILE, DataError, load_prompts, read_jsonl, render
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.core.accel import process_state
@@ -222,9 +222,25 @@ def merge_parts(out_dir: Path) -> None:
     shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)
 
 
+def ignored_setting(cfg: DictConfig, backend: str) -> str | None:
+    """One line naming a key that this run would ignore (top_p when decoding greedily, a vllm.*
+    key set away from conf/selfdistill.yaml's default without backend=vllm), or None."""
+    if float(cfg.temperature) == 0 and float(cfg.top_p) != 1.0:
+        return (f"top_p={cfg.top_p} would be ignored: temperature=0 decodes greedily; set temperature>0 to "
+                f"sample with it, or drop top_p")
+    defaults = OmegaConf.load(CONF_DIR / "selfdistill.yaml").vllm
+    for key, value in (cfg.get("vllm") or {}).items():
+        if backend != "vllm" and value != defaults.get(key):
+            return f"vllm.{key}={value} would be ignored: backend={backend}; pass backend=vllm, or drop vllm.{key}"
+    return None
+
+
 def run(cfg: DictConfig) -> dict:
     state = process_state()  # 1 process, or one per `accelerate launch` / torchrun rank
     backend = choose(BACKENDS, cfg.backend, "backend")
+    ignored = ignored_setting(cfg, backend)
+    if ignored:
+        raise DraftsmithError(ignored)
     if backend == "vllm" and state.num_processes > 1:
         raise DataError("backend=vllm runs as ONE process (vLLM batches and shards itself); "
                         "launch with python, not accelerate launch")

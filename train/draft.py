@@ -25,7 +25,7 @@ import random
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.models.draft import build_student
+from draftsmith.models.draft import build_student, check_student_keys
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
@@ -113,8 +113,22 @@ def evaluate(student, verifier, loader, accelerator, mcfg, rows=None) -> dict:
             "eval/chain_tau_greedy": chain_tau(greedy, int(mcfg.gamma))}
 
 
+JSD_BETA = 0.5  # method.beta of every conf/method/draft-*.yaml (tests/train/test_draft_train.py checks it)
+
+
+def check_method_keys(mcfg) -> None:
+    """Refuse a method key this run would ignore: beta outside divergence=jsd, or a student key
+    its init does not read (before any model loads)."""
+    if mcfg.divergence != "jsd" and float(mcfg.beta) != JSD_BETA:
+        raise DraftsmithError(f"method.beta={mcfg.beta} would be ignored: it is the JSD mixing weight, read by "
+                              f"method.divergence=jsd only (divergence={mcfg.divergence}); pass method=draft-jsd, "
+                              f"or drop method.beta")
+    check_student_keys(mcfg.student)
+
+
 def run(cfg: DictConfig) -> dict:
     mcfg = cfg.method
+    check_method_keys(mcfg)
     offline = bool(cfg.data.get("features"))
     if offline and not read_manifest(cfg.data.features).get("topk"):
         raise DraftsmithError(f"data.features={cfg.data.features} holds no teacher logits; write them with "

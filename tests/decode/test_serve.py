@@ -350,7 +350,8 @@ def test_exposure_warning_only_beyond_loopback_without_a_key():
         assert serve.exposure_warning(host, 8000, None) is None, host
     for host in ("0.0.0.0", "::", "192.0.2.7"):
         line = serve.exposure_warning(host, 8000, None)
-        assert line.startswith(f"draftsmith serve: warning: host={host} listens beyond this machine") and "\n" not in line
+        assert line.startswith(f"draftsmith serve: warning: host={host} listens beyond this machine")
+        assert "\n" not in line
         assert serve.exposure_warning(host, 8000, KEY) is None
 
 

@@ -128,3 +128,14 @@ def test_reduced_draft_vocab_is_saved_beside_the_hf_files_and_drafted_from(tmp_p
     save_file({"d2t": torch.tensor([4, 2])}, str(out / "draft_vocab.safetensors"))
     with pytest.raises(DraftsmithError, match="not an increasing list of token ids below 128"):
         load_draft_model(out)
+
+
+def test_a_student_key_its_init_would_ignore_is_refused():
+    verifier = tiny_llama(num_hidden_layers=2)
+    for student, key in [({"init": "truncate", "num_layers": 1, "num_attention_heads": 2}, "num_attention_heads=2"),
+                         ({"init": "pretrained", "path": "/x", "intermediate_size": 48}, "intermediate_size=48"),
+                         ({"init": "truncate", "num_layers": 1, "path": "/x"}, "path=/x")]:
+        init = student["init"]
+        with pytest.raises(DraftsmithError, match=rf"^method.student.{key} would be ignored: it is read by "
+                                                  rf"method.student.init=(config|pretrained) only \(init={init}\)"):
+            build_student(verifier, tiny_tokenizer(), OmegaConf.create(student))

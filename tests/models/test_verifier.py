@@ -143,8 +143,8 @@ def drafter_folders(tmp_path_factory):
     model.save_pretrained(final / MEDUSA2_PARTS[1])
     tok.save_pretrained(final / MEDUSA2_PARTS[1])
     (final / "meta.json").write_text(json.dumps({"kind": "medusa2", "tuned_fingerprint": fp}))
-    export = root / "export"  # scripts/export.py format=vllm: the engine's config.json (no draftsmith block) + export.json
-    export.mkdir()
+    export = root / "export"  # scripts/export.py format=vllm: the engine's config.json (no draftsmith block) and
+    export.mkdir()            # export.json
     (export / "config.json").write_text(json.dumps(engine_config("medusa", mcfg)))
     (export / "export.json").write_text(json.dumps({"format": "vllm", "kind": "medusa", "exported_from": "x",
                                                     "verifier_fingerprint": fp, "verifier_name": "tiny"}))
@@ -162,8 +162,9 @@ WHAT_IT_IS = {  # folder -> the one line load_verifier gives for it as model.pat
                                f"verifier: pass model.path={p}/verifier drafter={p}/heads method=medusa",
     "medusa2/final/heads": lambda p: f"model.path={p} is the heads of the Medusa-2 output {p.parent}, not a "
                                      f"verifier: pass drafter={p} method=medusa model.path={p.parent}/verifier",
-    "export": lambda p: f"model.path={p} is a Medusa heads folder (exported by scripts/export.py, format=vllm), not "
-                        f"a verifier: pass it as drafter={p} method=medusa, and point model.path at its verifier (tiny)",
+    "export": lambda p: f"model.path={p} is a Medusa heads folder (exported by scripts/export.py, format=vllm), "
+                        f"not a verifier: pass it as drafter={p} method=medusa, and point model.path at its verifier "
+                        f"(tiny)",
 }
 
 

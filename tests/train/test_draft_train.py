@@ -136,3 +136,36 @@ def test_warm_start_adds_a_reduced_vocab_to_a_trained_draft(tiny_model_dir, tmp_
     for name, weight in old.state_dict().items():
         assert torch.equal(new.state_dict()[name], weight), name
     assert new.draft_vocab.numel() == 8 and meta["warm_start"]["path"] == first["drafter_dir"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["method=draft-fkl", "method.beta=0.3"], "method.beta=0.3 would be ignored: it is the JSD mixing weight, read by "
+                                              "method.divergence=jsd only (divergence=fkl)"),
+    (["method.student.hidden_size=16"], "method.student.hidden_size=16 would be ignored: it is read by "
+                                        "method.student.init=config only (init=truncate)"),
+    (["method.student.init=config", "method.student.path=/x"], "method.student.path=/x would be ignored"),
+])
+def test_a_method_key_this_run_would_ignore_is_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, extra,
+                                                                      message):
+    from draftsmith.train import draft
+
+    monkeypatch.setattr(draft.loop, "start", lambda cfg: pytest.fail("the run started"))
+    with pytest.raises(DraftsmithError) as refused:
+        run(_cfg(tiny_model_dir, tmp_path, *extra))
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_every_draft_preset_holds_the_beta_the_refusal_takes_as_default():
+    """check_method_keys refuses a beta other than JSD_BETA outside jsd: the presets must hold it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from draftsmith.train.draft import JSD_BETA, check_method_keys
+
+    presets = sorted((Path(__file__).resolve().parents[2] / "conf" / "method").glob("draft-*.yaml"))
+    assert len(presets) == 4
+    for path in presets:
+        method = OmegaConf.load(path)
+        assert method.beta == JSD_BETA, path
+        check_method_keys(method)  # every preset as it stands passes

@@ -263,3 +263,18 @@ def test_bench_refuses_a_processes_key_naming_no_case(tmp_path):
         bench.run(bench_cfg(tmp_path, "+processes.no-such-case=2"))
     with pytest.raises(DraftsmithError, match="must be 1..threads"):
         bench.run(bench_cfg(tmp_path, "processes.batched-bf16-b128-2proc=4", "threads=2"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["top_p=0.9"], "top_p=0.9 would be ignored: temperature=0 decodes greedily"),
+    (["vllm.tensor_parallel_size=4"], "vllm.tensor_parallel_size=4 would be ignored: backend=batched"),
+    (["backend=transformers", "vllm.gpu_memory_utilization=0.5"], "vllm.gpu_memory_utilization=0.5 would be ignored"),
+])
+def test_a_key_this_run_would_ignore_is_refused_before_loading(tmp_path, overrides, message, monkeypatch):
+    monkeypatch.setattr(gen, "load_verifier", lambda *a, **k: pytest.fail("the verifier loaded"))
+    with pytest.raises(DraftsmithError, match=f"^{message}"):
+        gen.run(make_cfg("unused", tmp_path, *overrides))
+    # ... while the same keys where they are read, and the defaults anywhere, pass this check
+    assert gen.ignored_setting(make_cfg("unused", tmp_path, "temperature=0.7", "top_p=0.9"), "batched") is None
+    assert gen.ignored_setting(make_cfg("unused", tmp_path, "vllm.tensor_parallel_size=4"), "vllm") is None
+    assert gen.ignored_setting(make_cfg("unused", tmp_path), "transformers") is None
