@@ -18,10 +18,29 @@ so j = i + 1; SGLang's (`eagle_config.eagle_aux_hidden_state_layer_ids`) add 1 t
 they are ours. A config naming none means hidden_states[2], [L//2], [L-3] in both engines =
 ours [1, L//2 - 1, L - 4] (models.verifier.default_fusion_layers).
 
+Both engines capture each verifier layer ONCE, in ascending order (vLLM 0.32:
+`aux_hidden_state_layers = tuple(sorted(set(ids)))`, models/interfaces.py; SGLang: the decoder's
+layer loop appends the state of each listed layer as it passes it) and concatenate those states
+in that order for fc. So an export refuses repeated fusion layers (vLLM's fc would get 2H inputs
+for 3H weights) and writes fusion layers given out of order sorted, fc's column blocks permuted
+to match (`engine_fusion_order`): the same drafter, in the order the engine feeds it.
+
+The speculators format (vllm-project/speculators: src/speculators/config.py,
+models/eagle3/config.py, convert/eagle/eagle3_converter.py), which vLLM detects by the
+`speculators_config` key (vllm/transformers_utils/configs/speculators/): a top-level
+`speculators_model_type` ("eagle3"), `speculators_version`, `transformer_layer_config` (the
+drafter's Llama config; vocab_size = the verifier's), `speculators_config` {algorithm,
+proposal_methods [{proposal_type "greedy", speculative_tokens, ...}], default_proposal_method,
+verifier {name_or_path, architectures}}, and EAGLE-3's draft_vocab_size, norm_before_residual
+(vLLM reads a missing key as TRUE, speculators as false: always written), target_hidden_size,
+eagle_aux_hidden_state_layer_ids (vLLM's indexing: hidden_states[j]); weights `layers.0.*` for
+`midlayer.*`. `vllm serve <folder>` loads the verifier named in it, with no method given.
+
 Public layouts imported (`import_public`): SpecForge / official EAGLE-3 folders, official
 EAGLE-1 folders (yuhuili/EAGLE-*: fc with a bias, pytorch_model.bin), FasterDecoding Medusa
 heads (medusa_lm_head.safetensors / .pt: `{k}.{l}.linear.*` then `{k}.{num_layers}.weight`),
-vLLM Medusa folders, and draftsmith's own folders (config.json carries a `draftsmith` block).
+vLLM Medusa folders, speculators EAGLE-3 folders, and draftsmith's own folders (config.json
+carries a `draftsmith` block).
 """
 from __future__ import annotations
 
@@ -33,6 +52,8 @@ import torch
 from draftsmith.models.errors import DraftsmithError
 
 ENGINES = ("vllm", "sglang")
+VLLM_CHECKED = "0.32.0"  # the vLLM these layouts were loaded in and drafted with (tests/engines/test_vllm.py)
+SPECULATORS_VERSION = "0.7.0"  # the speculators release whose config format the export writes
 
 EAGLE_ARCHITECTURES = {"eagle1": {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"},
                        "eagle3": {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3"}}
@@ -51,6 +72,46 @@ def llama_keys(layer_config) -> dict:
     if rope.get("rope_type", "default") != "default":  # transformers-4 readers (vLLM) take rope_scaling
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return out
+
+
+def vllm_method(kind: str, config) -> str:
+    """vLLM's speculative_config method for a drafter."""
+    if kind == "eagle":
+        return "eagle3" if config.variant == "eagle3" else "eagle"
+    return {"medusa": "medusa", "draft": "draft_model"}[kind]
+
+
+def engine_fusion_order(fusion_layers, fmt: str) -> list[int]:
+    """-> p, the order in which the engines feed EAGLE-3's captured states to fc: fc's input block b
+    is fusion_layers[p[b]] (each layer once, ascending). Repeated layers are refused: both engines
+    capture a layer once, and fc would get fewer states than it has weights for."""
+    layers = [int(i) for i in fusion_layers]
+    if len(set(layers)) != len(layers):
+        raise DraftsmithError(f"format={fmt}: this EAGLE-3 drafter fuses verifier layers {layers}, one of them twice; "
+                              f"vLLM and SGLang capture each layer once (vLLM {VLLM_CHECKED}: "
+                              f"sorted(set(ids))), so fc would get {len(set(layers))} states for {len(layers)}; "
+                              f"retrain with distinct method.fusion_layers (e.g. the default, null)")
+    return sorted(range(len(layers)), key=layers.__getitem__)
+
+
+def speculators_config(config, layer_config, verifier: str, verifier_architectures: list[str], dtype: str,
+                       speculative_tokens: int) -> dict:
+    """config.json of an EAGLE-3 drafter in the speculators format (fusion layers already ascending)."""
+    layer = {**llama_keys(layer_config), "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype}
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}},
+        "draft_vocab_size": config.num_draft_tokens, "norm_before_residual": bool(config.norm_before_residual),
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in config.fusion_layers],
+        "torch_dtype": dtype}
 
 
 def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dtype: str = "float32") -> dict:
@@ -191,6 +252,37 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
     return "eagle", config, state
 
 
+def from_speculators(folder: Path, spec: dict, state: dict) -> tuple[dict, dict]:
+    """A speculators EAGLE-3 folder's (config.json, weights) -> the vLLM-format ones import_eagle reads."""
+    kind = spec.get("speculators_model_type")
+    if kind != "eagle3":
+        raise DraftsmithError(f"drafter={folder} is a speculators {kind!r} model; draftsmith imports speculators "
+                              f"eagle3 folders only")
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if spec.get(key):
+            raise DraftsmithError(f"drafter={folder} sets {key}=true; draftsmith's EAGLE-3 has no such variant")
+    if "norm_before_residual" not in spec:
+        raise DraftsmithError(f"drafter={folder} has no norm_before_residual: vLLM reads it as true, speculators as "
+                              f"false; add the key to its config.json")
+    layer = spec.get("transformer_layer_config")
+    if not isinstance(layer, dict) or layer.get("model_type", "llama") != "llama":
+        raise DraftsmithError(f"drafter={folder}: transformer_layer_config must be a Llama layer's config "
+                              f"(model_type llama), got {layer if not isinstance(layer, dict) else layer.get('model_type')!r}")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise DraftsmithError(f"drafter={folder} has {layer['num_hidden_layers']} decoder layers; draftsmith's "
+                              f"EAGLE-3 has one")
+    if spec.get("target_hidden_size") not in (None, layer.get("hidden_size")):
+        raise DraftsmithError(f"drafter={folder}: target_hidden_size {spec['target_hidden_size']} differs from the "
+                              f"layer's hidden_size {layer.get('hidden_size')}; draftsmith's EAGLE-3 needs them equal")
+    flat = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    flat.update(model_type="llama", architectures=["LlamaForCausalLMEagle3"], norm_before_residual=spec[
+        "norm_before_residual"], draft_vocab_size=spec.get("draft_vocab_size") or layer.get("vocab_size"))
+    if spec.get("eagle_aux_hidden_state_layer_ids"):
+        flat["eagle_aux_hidden_state_layer_ids"] = spec["eagle_aux_hidden_state_layer_ids"]
+    state = {"midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k: v for k, v in state.items()}
+    return flat, state
+
+
 def import_public(folder: Path, verifier_dims: tuple[int, int] | None = None,
                   verifier_num_layers: int | None = None):
     """-> (kind, config, state) for a folder in one of the public layouts, or None if none matches
@@ -209,6 +301,9 @@ def import_public(folder: Path, verifier_dims: tuple[int, int] | None = None,
         return import_medusa(folder, spec, read_weights(folder, ("model.safetensors", "pytorch_model.bin")),
                              verifier_dims)
     weights = ("model.safetensors", "pytorch_model.bin")
+    if "speculators_model_type" in spec:
+        spec, state = from_speculators(folder, spec, read_weights(folder, weights))
+        return import_eagle(folder, spec, state, verifier_dims, verifier_num_layers)
     if "Eagle" in arch or "eagle_config" in spec:
         return import_eagle(folder, spec, read_weights(folder, weights), verifier_dims, verifier_num_layers)
     if spec and int(spec.get("num_hidden_layers", 0)) == 1 and any((folder / w).is_file() for w in weights):

@@ -21,9 +21,12 @@ from draftsmith.models.vocab import draft_vocab
 from scripts.export import run as export
 from tests.conftest import tiny_model_overrides
 from tests.decode.test_eagle_decode import fitted_drafter, greedy_corpus
+from tests.tiny import tiny_tokenizer
 from tests.hub import compose_config
 
 H, V, HEADS, KV, HD, INTER = 32, 128, 4, 2, 8, 64  # tests/tiny.py's Llama
+LAYERS = 4  # verifier layers: enough for 3 distinct EAGLE-3 capture layers
+FUSION = [2, 0, 1]  # given out of order: the engines feed them ascending (fc's blocks permuted on export)
 
 # ------------------------------------------------------------------ the engines' expectations (data)
 # Each: the source file read, config keys (value or None = present), weight name -> shape, dtype kind.
@@ -34,27 +37,43 @@ ATTN_H = {"self_attn.q_proj.weight": (HEADS * HD, H), "self_attn.k_proj.weight":
 MLP = {"mlp.gate_proj.weight": (INTER, H), "mlp.up_proj.weight": (INTER, H), "mlp.down_proj.weight": (H, INTER),
        "post_attention_layernorm.weight": (H,)}
 N = 48  # the reduced draft vocabulary of the EAGLE-3 and Medusa cases
-EAGLE3_WEIGHTS = {"fc.weight": (H, 3 * H), **{f"midlayer.{k}": v for k, v in {**ATTN_2H, **MLP}.items()},
-                  "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,), "norm.weight": (H,),
-                  "lm_head.weight": (N, H), "d2t": (N,), "t2d": (V,)}
+EAGLE3_LAYER = {**ATTN_2H, **MLP, "input_layernorm.weight": (H,), "hidden_norm.weight": (H,)}
+EAGLE3_REST = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (N, H), "d2t": (N,), "t2d": (V,)}
+EAGLE3_WEIGHTS = {**EAGLE3_REST, **{f"midlayer.{k}": v for k, v in EAGLE3_LAYER.items()}}
 ENGINES = {
     "vllm-eagle3": {
         "source": "vllm/model_executor/models/llama_eagle3.py (weights, fc 3*target_hidden_size, midlayer. -> "
                   "layers.0., d2t -> draft_id_to_target_id, t2d skipped); vllm/v1/worker/gpu_model_runner.py "
                   "(_get_eagle3_aux_layers_from_config: top-level eagle_aux_hidden_state_layer_ids, id j = "
-                  "hidden_states[j])",
+                  "hidden_states[j]); vllm/model_executor/models/interfaces.py (sorted(set(ids)))",
         "config": {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
                    "draft_vocab_size": N, "vocab_size": V, "hidden_size": H, "target_hidden_size": H,
                    "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
-                   "eagle_aux_hidden_state_layer_ids": [1, 2, 2], "rms_norm_eps": None, "rope_theta": None},
+                   "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "rms_norm_eps": None, "rope_theta": None},
         "weights": EAGLE3_WEIGHTS},
+    "speculators-eagle3": {
+        "source": "speculators src/speculators/config.py (SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig), "
+                  "models/eagle3/config.py (Eagle3SpeculatorConfig), convert/eagle/eagle3_converter.py (midlayer. -> "
+                  "layers.0., GreedyTokenProposalConfig); vllm/transformers_utils/configs/speculators/ (detection by "
+                  "speculators_config, update_eagle3: norm_before_residual read as true when missing)",
+        "config": {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "speculators_version": None, "draft_vocab_size": N, "norm_before_residual": False,
+                   "target_hidden_size": H, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                   "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                       {"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0}], "default_proposal_method": "greedy",
+                       "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}}},
+        "layer_config": {"model_type": "llama", "vocab_size": V, "hidden_size": H, "num_hidden_layers": 1,
+                         "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER},
+        "absent_config": ["eagle_config"],
+        "weights": {**EAGLE3_REST, **{f"layers.0.{k}": v for k, v in EAGLE3_LAYER.items()}}},
     "sglang-eagle3": {
         "source": "python/sglang/srt/models/llama_eagle3.py (midlayer, fc, norm, lm_head, d2t offsets: "
                   "hot_token_id = d2t + arange); python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture: "
-                  "layers_to_capture = [id + 1 for id in layer_ids], from eagle_config)",
+                  "layers_to_capture = [id + 1 for id in layer_ids], from eagle_config; captured in layer order)",
         "config": {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
                    "draft_vocab_size": N, "vocab_size": V, "hidden_size": H,
-                   "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}},
+                   "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
         "absent_config": ["eagle_aux_hidden_state_layer_ids"],
         "weights": EAGLE3_WEIGHTS},
     "vllm-eagle1": {
@@ -65,61 +84,119 @@ ENGINES = {
         "weights": {"fc.weight": (H, 2 * H), **{f"layers.0.{k}": v for k, v in {**ATTN_H, **MLP}.items()}}},
     "vllm-medusa": {
         "source": "vllm/model_executor/models/medusa.py (ResidualBlock layers, bias if medusa_fc_bias; "
-                  "original_lm_head -> one lm_head; token_map with truncated_vocab_size); "
+                  "original_lm_head -> one lm_head; a reduced vocabulary does not load in 0.32: refused); "
                   "vllm/transformers_utils/configs/medusa.py (num_heads, num_hidden_layers, truncated_vocab_size)",
         "config": {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": 3, "num_hidden_layers": 2,
-                   "hidden_size": H, "vocab_size": V, "truncated_vocab_size": N, "medusa_fc_bias": True,
+                   "hidden_size": H, "vocab_size": V, "truncated_vocab_size": V, "medusa_fc_bias": True,
                    "original_lm_head": True},
         "weights": {**{f"blocks.{k}.layers.{l}.{p}": (H, H) if p == "weight" else (H,)
                        for k in range(3) for l in range(2) for p in ("weight", "bias")},
-                    "lm_head.weight": (V, H), "token_map": (N,)}},
+                    "lm_head.weight": (V, H)}},
 }
 
 
 @pytest.fixture(scope="module")
-def verifier(tiny_model_dir):
-    """The tiny saved verifier in fp64 (the exported lm_head rows are its fp32 weights, exactly)."""
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval().requires_grad_(False)
+def verifier_dir(tmp_path_factory):
+    """A tiny random Llama with 4 layers + the char tokenizer, saved (fp32) as an HF folder."""
+    from tests.tiny import tiny_llama
+
+    folder = tmp_path_factory.mktemp("verifier4")
+    tiny_llama(dtype=torch.float32, num_hidden_layers=LAYERS).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def drafters(verifier, tiny_model_dir, tmp_path_factory):
+def verifier(verifier_dir):
+    """The saved verifier in fp64 (the exported lm_head rows are its fp32 weights, exactly)."""
+    return AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float64).eval().requires_grad_(False)
+
+
+def fitted_eagle3(model, layers, steps: int = 40, ttt: int = 2, draft_vocab_size: int | None = N, **config):
+    """An EAGLE-3 drafter fitted to the model's greedy continuations on `layers` (the trainer's loss),
+    so that decoding accepts and rejects."""
+    from types import SimpleNamespace
+
+    from draftsmith.models.eagle import EagleConfig, EagleDrafter
+    from draftsmith.train.eagle import eagle_loss
+
+    seqs = greedy_corpus(model)
+    extra = dict(draft_vocab_size=draft_vocab_size, lm_head="own") if draft_vocab_size else {}
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig(H, V, model.config.to_dict(), variant="eagle3", fusion_layers=layers,
+                                       **extra, **config)).to(model.dtype)
+    with torch.no_grad():
+        out = model.model(seqs, output_hidden_states=True)
+        inputs = {"hidden": out.last_hidden_state, "labels": seqs.clone(), "attention_mask": torch.ones_like(seqs),
+                  "embeds": model.get_input_embeddings()(seqs),
+                  "layer_hidden": torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)}
+    if draft_vocab_size:
+        drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=V), draft_vocab_size),
+                                model.lm_head)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = eagle_loss(drafter, inputs, model.lm_head, SimpleNamespace(decay=0.8, w_feat=1.0, w_cls=1.0), ttt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
+def _medusa(verifier, draft_vocab_size=None, heads=3):
+    cfg = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=heads, num_layers=2, lm_head="shared",
+                       draft_vocab_size=draft_vocab_size)
+    counts = torch.bincount(greedy_corpus(verifier).flatten(), minlength=V)  # the tokens the verifier writes
+    module = MedusaHeads(cfg, token_map=draft_vocab(counts, draft_vocab_size) if draft_vocab_size else None)
+    torch.manual_seed(1)
+    for block in module.blocks:
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.02)
+    return module.double(), cfg
+
+
+@pytest.fixture(scope="module")
+def drafters(verifier, tmp_path_factory):
     """Native drafter folders of each kind, fitted/perturbed so that decoding accepts and rejects."""
     root = tmp_path_factory.mktemp("drafters")
     fp = fingerprint(verifier)
     out = {}
-    e3 = fitted_drafter(verifier, "eagle3", steps=40, ttt=2, draft_vocab_size=N)
-    e3.config.fusion_layers = [0, 1, 1]
+    e3 = fitted_eagle3(verifier, FUSION)
     out["eagle3"] = save_drafter(root / "eagle3", "eagle", e3, e3.config, verifier_fingerprint=fp, verifier_name="tiny")
+    e3 = fitted_eagle3(verifier, [0, 1, 2], draft_vocab_size=None, steps=10, norm_before_residual=True)
+    out["eagle3-shared"] = save_drafter(root / "eagle3-shared", "eagle", e3, e3.config, verifier_fingerprint=fp,
+                                        verifier_name="tiny")
+    e3 = fitted_eagle3(verifier, [0, 1, 1], steps=1)
+    out["eagle3-repeated"] = save_drafter(root / "eagle3-repeated", "eagle", e3, e3.config, verifier_fingerprint=fp,
+                                          verifier_name="tiny")
     e1 = fitted_drafter(verifier, "eagle1", steps=40)
     out["eagle1"] = save_drafter(root / "eagle1", "eagle", e1, e1.config, verifier_fingerprint=fp, verifier_name="tiny")
-    cfg = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3, num_layers=2, lm_head="shared", draft_vocab_size=N)
-    counts = torch.bincount(greedy_corpus(verifier).flatten(), minlength=V)  # the tokens the verifier writes
-    heads = MedusaHeads(cfg, token_map=draft_vocab(counts, N))
-    torch.manual_seed(1)
-    for block in heads.blocks:
-        for layer in block.layers:
-            torch.nn.init.normal_(layer.weight, std=0.02)
-    out["medusa"] = save_drafter(root / "medusa", "medusa", heads.double(), cfg, verifier_fingerprint=fp,
-                                 verifier_name="tiny")
+    for name, vocab in (("medusa", None), ("medusa-reduced", N)):
+        heads, cfg = _medusa(verifier, vocab)
+        out[name] = save_drafter(root / name, "medusa", heads, cfg, verifier_fingerprint=fp, verifier_name="tiny")
     return out
 
 
-def _export(tiny_model_dir, drafter, fmt, out, *extra):
-    return export(compose_config("export", tiny_model_overrides(tiny_model_dir) + [
-        f"drafter={drafter}", f"format={fmt}", f"output_dir={out}", "dtype=null", *extra]))
+def _export(verifier_dir, drafter, fmt, out, *extra):
+    return export(compose_config("export", tiny_model_overrides(verifier_dir) + [
+        f"drafter={drafter}", f"format={fmt}", f"output_dir={out}", "dtype=null", "verifier_name=tiny", *extra]))
+
+
+SERVE = {"vllm": "python -m vllm.entrypoints.openai.api_server --model tiny --speculative-config '{\"method\": ",
+         "sglang": "python -m sglang.launch_server --model-path tiny --speculative-algorithm EAGLE3"}
 
 
 @pytest.mark.parametrize("case", list(ENGINES))
-def test_export_matches_the_engines_loader(case, drafters, tiny_model_dir, tmp_path):
+def test_export_matches_the_engines_loader(case, drafters, verifier_dir, tmp_path):
     fmt, kind = case.split("-")
-    summary = _export(tiny_model_dir, drafters[kind], fmt, tmp_path / case)
+    summary = _export(verifier_dir, drafters[kind], fmt, tmp_path / case)
     expected = ENGINES[case]
     spec = json.loads((tmp_path / case / "config.json").read_text())
     for key, value in expected["config"].items():
         assert key in spec, (case, key, expected["source"])
         if value is not None:
             assert spec[key] == value, (case, key, expected["source"])
+    for key, value in expected.get("layer_config", {}).items():
+        assert spec["transformer_layer_config"][key] == value, (case, key, expected["source"])
     assert not set(expected.get("absent_config", [])) & set(spec), case
     state = load_file(str(tmp_path / case / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in state.items()} == expected["weights"], expected["source"]
@@ -129,21 +206,55 @@ def test_export_matches_the_engines_loader(case, drafters, tiny_model_dir, tmp_p
     if "t2d" in state:
         assert state["t2d"].dtype == torch.bool
     assert summary["serve"] in (tmp_path / case / "README.md").read_text()
-    head = {"vllm": "vllm serve tiny --speculative-config '{\"method\": ",
-            "sglang": "python -m sglang.launch_server --model-path tiny --speculative-algorithm EAGLE3"}[fmt]
+    head = f"python -m vllm.entrypoints.openai.api_server --model {tmp_path / case}" if fmt == "speculators" else \
+        SERVE[fmt]
     assert summary["serve"].startswith(head)
 
 
-def test_the_serve_command_names_the_verifier_the_drafter_was_trained_with(drafters, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_fusion_layers_are_written_ascending_with_fc_permuted_to_match(fmt, drafters, verifier_dir, tmp_path):
+    """FUSION = [2, 0, 1]: the engines concatenate the states of layers 0, 1, 2 in that order, so
+    fc's input block b must be the native block for layer b."""
+    _export(verifier_dir, drafters["eagle3"], fmt, tmp_path / fmt)
+    native = load_file(str(drafters["eagle3"] / "model.safetensors"))["fc.weight"].chunk(3, dim=1)
+    exported = load_file(str(tmp_path / fmt / "model.safetensors"))["fc.weight"].chunk(3, dim=1)
+    for b, layer in enumerate(sorted(FUSION)):
+        assert torch.equal(exported[b].float(), native[FUSION.index(layer)].float())
+    assert not torch.equal(exported[0].float(), native[0].float())
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_repeated_fusion_layers_are_refused(fmt, drafters, verifier_dir, tmp_path):
+    with pytest.raises(DraftsmithError, match=r"fuses verifier layers \[0, 1, 1\], one of them twice; vLLM and "
+                                              r"SGLang capture each layer once") as info:
+        _export(verifier_dir, drafters["eagle3-repeated"], fmt, tmp_path / "x")
+    assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
+
+
+def test_full_vocabulary_eagle3_has_no_d2t_for_vllm(drafters, verifier_dir, tmp_path):
+    """vLLM 0.32 has no draft_id_to_target_id parameter when draft_vocab_size = the vocabulary and
+    refuses a d2t tensor then (tests/engines/test_vllm.py: eagle3-nbr)."""
+    for fmt in ("vllm", "speculators"):
+        _export(verifier_dir, drafters["eagle3-shared"], fmt, tmp_path / fmt)
+        state = load_file(str(tmp_path / fmt / "model.safetensors"))
+        spec = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert spec["draft_vocab_size"] == V and state["lm_head.weight"].shape == (V, H)
+        assert "d2t" not in state and "t2d" not in state
+        assert spec["norm_before_residual"] is True
+
+
+def test_the_serve_command_names_the_verifier_the_drafter_was_trained_with(drafters, verifier_dir, tmp_path):
     import shutil
 
     trained = tmp_path / "trained"
     shutil.copytree(drafters["eagle3"], trained)
     (trained / "config.yaml").write_text("model:\n  name: tiny\n  path: org/tiny-verifier\n")
-    summary = _export(tiny_model_dir, trained, "vllm", tmp_path / "out")
-    assert summary["serve"].startswith("vllm serve org/tiny-verifier --speculative-config")
-    assert _export(tiny_model_dir, trained, "vllm", tmp_path / "out2", "verifier_name=mine")["serve"].startswith(
-        "vllm serve mine ")
+    summary = export(compose_config("export", tiny_model_overrides(verifier_dir) + [
+        f"drafter={trained}", "format=vllm", f"output_dir={tmp_path / 'out'}"]))
+    assert summary["serve"].startswith(
+        "python -m vllm.entrypoints.openai.api_server --model org/tiny-verifier --speculative-config")
+    assert _export(verifier_dir, trained, "vllm", tmp_path / "out2", "verifier_name=mine")["serve"].startswith(
+        "python -m vllm.entrypoints.openai.api_server --model mine ")
 
 
 def test_d2t_is_stored_as_offsets(drafters):
@@ -171,15 +282,19 @@ class _Verifier:
         self.model, self.lm_head, self.embed_tokens = model, model.lm_head, model.get_input_embeddings()
 
 
-@pytest.mark.parametrize("case", ["vllm-eagle3", "sglang-eagle3", "vllm-eagle1", "vllm-medusa"])
-def test_export_import_round_trip_decodes_identically(case, drafters, verifier, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("case", ["vllm-eagle3", "speculators-eagle3", "sglang-eagle3", "vllm-eagle3-shared",
+                                  "vllm-eagle1", "vllm-medusa"])
+def test_export_import_round_trip_decodes_identically(case, drafters, verifier, verifier_dir, tmp_path):
     from omegaconf import OmegaConf
 
-    fmt, kind = case.split("-")
-    _export(tiny_model_dir, drafters[kind], fmt, tmp_path / case)
+    fmt, kind = case.split("-", 1)
+    _export(verifier_dir, drafters[kind], fmt, tmp_path / case)
     original = load_drafter(drafters[kind], verifier_fingerprint=fingerprint(verifier))
     imported = load_drafter(tmp_path / case, verifier_fingerprint=fingerprint(verifier), verifier_dims=(H, V))
     assert imported.kind == original.kind and imported.meta["format"] == fmt
+    if kind.startswith("eagle3"):
+        assert imported.config.fusion_layers == sorted(original.config.fusion_layers)
+        assert imported.config.norm_before_residual == original.config.norm_before_residual
     decode = OmegaConf.create({"name": "t", "depth": 3, "top_k": 3, "total_tokens": 8} if kind != "medusa" else
                               {"name": "t", "paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]})
     v = _Verifier(verifier)
@@ -189,7 +304,7 @@ def test_export_import_round_trip_decodes_identically(case, drafters, verifier, 
         b = _decode(verifier, imported.proposer(v, decode), seed)
         assert a == b, case  # the same proposals: the same accepted counts step by step
         steps += a[1]
-    if kind != "medusa":  # (untrained Medusa heads propose what is rarely accepted: the logits below decide)
+    if kind in ("eagle3", "eagle1"):  # (untrained heads propose what is rarely accepted: the logits below decide)
         assert max(steps) >= 1 and min(steps) == 0  # drafts accepted and rejected
     # the same logits, from the same verifier states
     hidden = torch.randn(5, H, dtype=torch.float64)
@@ -199,15 +314,17 @@ def test_export_import_round_trip_decodes_identically(case, drafters, verifier, 
                                        original.module.double()(hidden, verifier.lm_head), rtol=0, atol=1e-12)
         else:
             a, b = original.module.double(), imported.module.double()
-            src = torch.randn(5, 3 * H, dtype=torch.float64) if kind == "eagle3" else hidden
+            states = torch.randn(LAYERS + 1, 5, H, dtype=torch.float64)  # hidden_states[i + 1] = output of layer i
+            src_a = torch.cat([states[i + 1] for i in a.config.fusion_layers], -1) if a.config.fusion_layers else None
+            src_b = torch.cat([states[i + 1] for i in b.config.fusion_layers], -1) if b.config.fusion_layers else None
             emb = torch.randn(1, 5, H, dtype=torch.float64)
-            fa = a(emb, a.input_features(hidden, src)[None])
-            fb = b(emb, b.input_features(hidden, src)[None])
+            fa = a(emb, a.input_features(hidden, src_a)[None])
+            fb = b(emb, b.input_features(hidden, src_b)[None])
             torch.testing.assert_close(b.logits(fb, verifier.lm_head), a.logits(fa, verifier.lm_head), rtol=0,
                                        atol=1e-12)
 
 
-def test_draft_model_exports_as_a_plain_hf_folder(tiny_model_dir, verifier, tmp_path):
+def test_draft_model_exports_as_a_plain_hf_folder(verifier_dir, verifier, tmp_path):
     from draftsmith.models.draft import build_student, save_draft_model
     from omegaconf import OmegaConf
     from tests.tiny import tiny_tokenizer
@@ -215,11 +332,14 @@ def test_draft_model_exports_as_a_plain_hf_folder(tiny_model_dir, verifier, tmp_
     student = build_student(verifier.float(), tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
     verifier.double()
     src = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
-                           verifier_name="tiny")
-    summary = _export(tiny_model_dir, src, "hf", tmp_path / "hf")
+                           verifier_name="tiny", draft_vocab=torch.arange(N))
+    summary = _export(verifier_dir, src, "hf", tmp_path / "hf")
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "heuristic"
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "assistant_model=" in summary["serve"]
+    # the engines draft from the whole vocabulary: the reduced one is left out, and said so
+    assert not (tmp_path / "hf" / "draft_vocab.safetensors").exists() and "decode.draft_vocab=full" in summary["note"]
+    assert "decode.draft_vocab=full" in (tmp_path / "hf" / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # loads as it stands
     ids = torch.randint(4, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -231,11 +351,31 @@ def test_draft_model_exports_as_a_plain_hf_folder(tiny_model_dir, verifier, tmp_
     ("medusa", "sglang", "format=sglang cannot express Medusa"),
     ("medusa", "hf", "format=hf cannot express a medusa drafter"),
     ("eagle3", "hf", "format=hf cannot express a eagle drafter"),
+    ("medusa", "speculators", "format=speculators expresses EAGLE-3 drafters only .*not Medusa heads; use format=vllm"),
+    ("eagle1", "speculators", "format=speculators expresses EAGLE-3 drafters only .*not an EAGLE-1 drafter"),
+    ("medusa-reduced", "vllm", r"format=vllm: vLLM 0\.32\.0's Medusa loader cannot load a reduced draft vocabulary "
+                               r"\(method\.draft_vocab_size=48\).*token_map.*method\.draft_vocab_size=null"),
 ])
-def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, drafters, tiny_model_dir, tmp_path):
+def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, drafters, verifier_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=needle) as info:
-        _export(tiny_model_dir, drafters[kind], fmt, tmp_path / "x")
+        _export(verifier_dir, drafters[kind], fmt, tmp_path / "x")
     assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s.pop("norm_before_residual"), "no norm_before_residual: vLLM reads it as true, speculators as false"),
+    (lambda s: s.update(speculators_model_type="dflash"), "is a speculators 'dflash' model; draftsmith imports "
+                                                          "speculators eagle3 folders only"),
+    (lambda s: s.update(norm_before_fc=True), "sets norm_before_fc=true; draftsmith's EAGLE-3 has no such variant"),
+])
+def test_speculators_folders_draftsmith_cannot_read_are_refused(edit, needle, drafters, verifier_dir, tmp_path):
+    _export(verifier_dir, drafters["eagle3"], "speculators", tmp_path / "s")
+    spec = json.loads((tmp_path / "s" / "config.json").read_text())
+    edit(spec)
+    (tmp_path / "s" / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(DraftsmithError, match=needle) as info:
+        load_drafter(tmp_path / "s", verifier_dims=(H, V))
+    assert "\n" not in str(info.value)
 
 
 def test_old_eagle_layout_is_refused_with_how_to_convert(tmp_path):
