@@ -1,9 +1,12 @@
-"""Every documented command works as typed: each command in README.md (code blocks and inline
-code) and in the first line of every YAML under conf/ goes through the entry script's own
-override check (misspelt keys, data keys the source would ignore) and Hydra's composition with
-all its overrides, without running the job. Shell scripts (`bash scripts/X.sh ...`) are run
-with `python` replaced by a recorder, so every Python command they would run is checked with
-the arguments the real shell gives it."""
+"""Every documented command works as typed: each command in README.md and in every page under docs/
+(code blocks and inline code) and in the first line of every YAML under conf/ goes through the
+entry script's own override check (misspelt keys, data keys the source would ignore) and Hydra's
+composition with all its overrides, without running the job. Shell scripts (`bash scripts/X.sh ...`)
+are run with `python` replaced by a recorder, so every Python command they would run is checked
+with the arguments the real shell gives it. The pages themselves: the README stays a short page
+for users (its opening commands, its length, no issue numbers or commit hashes), every relative
+link of README.md and docs/ resolves (a file, and a heading for #anchors), and the README's results
+table is the one scripts/plot_results.py reads from the comparisons' JSON."""
 from __future__ import annotations
 
 import os
@@ -21,10 +24,25 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY = re.compile(r'^\s*launch\("([\w-]+)", run\)', re.M)
 LAUNCHERS = {"python", "accelerate", "torchrun", "bash"}
 NOT_JOBS = ("-m", "-c")  # python -m pytest / -c ...: not an entry script
+README_OPENING = ("bash scripts/install.sh && bash scripts/quickstart.sh",
+                  "bash scripts/install.sh && python -m pytest -q -n 2 --dist loadfile")  # .ci/run runs the second
+README_MAX_LINES = 300
+PENDING_PAGES = {"docs/serve-vllm.md", "docs/serve-llamacpp.md"}  # linked while other work writes them
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+def documented_pages() -> list[str]:
+    """README.md and every markdown file under docs/ (the result folders' tables too), relative to ROOT."""
+    return ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
+
+
+def written_pages() -> list[str]:
+    """The pages people write (README.md, docs/*.md, docs/results/*.md), not the tables scripts wrote."""
+    return ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in [*(ROOT / "docs").glob("*.md"),
+                                                                      *(ROOT / "docs" / "results").glob("*.md")])
+
+
+def page_commands(page: str) -> list[str]:
+    text = (ROOT / page).read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         commands += [c for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.lstrip().startswith("#")]
@@ -131,7 +149,7 @@ def check(invocation: list[str], where: str) -> None:
     compose_config(name, [a for a in args if not a.startswith("-")])  # Hydra accepts every override
 
 
-COMMANDS = [("README.md", c) for c in readme_commands()] + yaml_commands()
+COMMANDS = [(page, c) for page in documented_pages() for c in page_commands(page)] + yaml_commands()
 
 
 @pytest.mark.parametrize("where, command", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
@@ -145,7 +163,133 @@ def test_the_commands_were_found():
     commands = [c for _, c in COMMANDS]
     assert any("scripts/quickstart.sh" in c for c in commands)
     assert any("data=chat-jsonl data.path=" in c for c in commands)
-    assert sum(1 for w, _ in COMMANDS if w != "README.md") == len(list((ROOT / "conf").rglob("*.yaml")))
+    assert sum(1 for w, _ in COMMANDS if w.startswith("conf/")) == len(list((ROOT / "conf").rglob("*.yaml")))
+    readme = [c for w, c in COMMANDS if w == "README.md"]
+    assert readme[:2] == list(README_OPENING), readme[:2]
+    for c in ("python train/eagle.py", "python decode/evaluate.py", "python decode/serve.py", "python scripts/export.py",
+              "python scripts/refresh.py"):
+        assert any(r.startswith(c) for r in readme), f"README.md has no {c} command"
+    # docs/: every page with a ```bash block of commands contributes them, and the guides' own commands are found
+    for page in documented_pages()[1:]:
+        blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S)
+        if any(first_word(line) in LAUNCHERS for b in blocks for line in b.splitlines()):
+            assert any(w == page for w, _ in COMMANDS), f"no command of {page} was found"
+    docs = {w: c for w, c in COMMANDS if w.startswith("docs/")}
+    assert len({w for w, _ in COMMANDS if w.startswith("docs/")}) >= 20, sorted(docs)
+    for page, c in [("docs/refresh.md", "python scripts/refresh.py"), ("docs/training.md", "python train/eagle.py"),
+                    ("docs/data.md", "python train/medusa.py data=chat-jsonl data.path="),
+                    ("docs/benchmarks.md", "python scripts/plot_results.py"),
+                    ("docs/results/datastore.md", "python scripts/compare.py")]:
+        assert any(w == page and cmd.startswith(c) for w, cmd in COMMANDS), f"{page}: no {c} command"
+
+
+def test_the_readme_is_a_short_page_for_users():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move detail to docs/"
+    blocks = re.findall(r"```bash\n(.*?)```", "\n".join(lines), re.S)
+    opening = [c for c in blocks[0].splitlines() if c.strip() and not c.lstrip().startswith("#")]
+    assert opening == list(README_OPENING), "the README opens with its two set-up commands, verbatim and in order"
+    assert README_OPENING[1] in (ROOT / ".ci" / "run").read_text()
+
+
+ISSUE_REF = re.compile(r"(?<![\w&])#\d+\b")  # "(issue #13)", "#13's"; not "&#39;" nor a URL's anchor
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")  # hex with letters and digits
+
+
+def test_issue_refs_and_commit_hashes_are_caught():
+    assert ISSUE_REF.search("measured (issue #13)") and ISSUE_REF.search("#14's layouts")
+    assert not ISSUE_REF.search("see [x](page.md#sizing-2) or &#39;")
+    assert COMMIT.search("the latest, on 6c6e23a (2026-12-04)") and COMMIT.search("5b7aa7b")
+    assert not COMMIT.search("effaced 2026-12-04 1234567 decade")
+
+
+@pytest.mark.parametrize("page", written_pages())
+def test_pages_carry_no_issue_numbers(page):
+    text = (ROOT / page).read_text()
+    assert not ISSUE_REF.findall(text), f"{page}: issue references {ISSUE_REF.findall(text)}: say what was measured"
+
+
+@pytest.mark.parametrize("page", documented_pages())
+def test_pages_carry_no_commit_hashes(page):
+    text = (ROOT / page).read_text()
+    assert not COMMIT.findall(text), f"{page}: commit hashes {COMMIT.findall(text)}: give dates, not hashes"
+
+
+def anchors(page: Path) -> set[str]:
+    """The #anchors GitHub makes of a markdown page's headings."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def links(page: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", (ROOT / page).read_text(), flags=re.S)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"^[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", documented_pages())
+def test_every_link_resolves(page):
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        dest = (ROOT / page).parent / path if path else ROOT / page
+        rel = os.path.relpath(dest.resolve(), ROOT)
+        if rel in PENDING_PAGES and not dest.exists():
+            continue
+        assert dest.exists(), f"{page}: link to {target}: no such file"
+        if anchor:
+            assert anchor in anchors(dest), f"{page}: link to {target}: {rel} has no heading #{anchor}"
+
+
+def test_the_link_check_has_teeth(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Title\n\n## What lossless means, per dtype\n\n```bash\n# not a heading\n```\n")
+    assert anchors(page) == {"title", "what-lossless-means-per-dtype"}
+
+
+def test_every_result_file_is_cited():
+    """docs/results/<study>/ holds the files of one page: each is linked from a page (else it goes)."""
+    text = "\n".join((ROOT / p).read_text() for p in written_pages())
+    files = [p for p in (ROOT / "docs" / "results").glob("*/*") if p.is_file()]
+    assert files
+    uncited = [str(p.relative_to(ROOT)) for p in files if f"{p.parent.name}/{p.name})" not in text]
+    assert not uncited, f"result files no page links to: {uncited}"
+
+
+def test_the_readme_results_table_is_the_json():
+    """The README's results table is what scripts/plot_results.py reads from the JSON its config names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    plot_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_results)
+    cfg = compose_config("plot_results")
+    table = plot_results.table(plot_results.measured(cfg))
+    assert table in (ROOT / "README.md").read_text(), f"README.md's results table is stale; it should be:\n{table}"
+    assert f"]({cfg.output})" in (ROOT / "README.md").read_text()  # the README shows the plot the script writes
+
+
+def test_plot_results_writes_the_plot_and_refuses_what_it_cannot_plot(tmp_path, capsys):
+    import importlib.util
+
+    from draftsmith.models.errors import DraftsmithError
+
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    plot_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_results)
+    out = tmp_path / "headline.png"
+    report = plot_results.run(compose_config("plot_results", [f"output={out}"]))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["table"] in capsys.readouterr().out
+    first = compose_config("plot_results").rows[0].file
+    with pytest.raises(DraftsmithError, match=r"^rows.0.method='prompt-lookup-typo': .* valid: .*prompt-lookup"):
+        plot_results.measured(compose_config("plot_results", ["rows.0.method=prompt-lookup-typo"]))
+    with pytest.raises(DraftsmithError, match=r"^rows.0.file=.* was measured on model=smollm2-135m model.dtype=bfloat16, "
+                                              r"not model=smollm2-135m model.dtype=float32"):
+        plot_results.measured(compose_config("plot_results", ["model.dtype=float32"]))
+    with pytest.raises(DraftsmithError, match=r"^rows.0.file=nowhere.json: no such file"):
+        plot_results.measured(compose_config("plot_results", ["rows.0.file=nowhere.json"]))
+    assert Path(first).is_file()
 
 
 def test_the_check_refuses_what_the_scripts_would_refuse():
