@@ -10,7 +10,8 @@ job:     {"name": str, "model": verifier or speculators folder,
           "speculative_config": null | {...}  (passed to vllm.LLM as it stands),
           "prompts": [[token ids], ...], "max_tokens": int, "ignore_eos": true,
           "mode": "each" (one generate call per prompt: drafts are recorded per prompt) |
-                  "batch" (one call with every prompt), "repeats": int (timed calls, mode batch)}
+                  "batch" (one call with every prompt), "repeats": int (timed calls, mode batch),
+          "warmup": int (tokens of one untimed, uncounted generation of the first prompt first; 0: none)}
 result:  {"vllm": version, "jobs": [{"name", "error": null | "Type: message",
           "tokens": [[ids] per prompt], "drafts": [[[k ids] per proposal] per prompt] ("each" only),
           "metrics": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"},
@@ -85,6 +86,9 @@ def run_job(job: dict, request: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
                             ignore_eos=bool(job.get("ignore_eos", True)))
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    if job.get("warmup"):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=int(job["warmup"]), ignore_eos=True),
+                     use_tqdm=False)
     before = counters(llm)
     tokens, drafts, gen_s = [], [], []
     if job.get("mode", "each") == "each":

