@@ -76,8 +76,10 @@ def draftsmith_chains(verifier, drafter, prompts: list[list[int]], max_new_token
         proposer = _Recorder(drafter.proposer(verifier, decode))
         res = generate(verifier.model, torch.tensor([prompt]), proposer=proposer, max_new_tokens=max_new_tokens,
                        eos_token_id=())
+        if len(proposer.chains) != len(res.steps):
+            raise ValueError(f"the decoder verified {len(res.steps)} steps for {len(proposer.chains)} proposals")
         out["tokens"].append(res.tokens)
-        out["drafts"].append(proposer.chains)
+        out["drafts"].append([c[:s.num_nodes - 1] for c, s in zip(proposer.chains, res.steps)])  # as verified
         out["accepted"].append([s.accepted for s in res.steps])
     return out
 
