@@ -122,6 +122,15 @@ class EagleProposer(Proposer):
         self.pending_tokens = tree.tokens[path[1:]].tolist()  # the root (next_token) completes them
         self.pending_feats = self._features(hidden[idx], None if layer_hidden is None else layer_hidden[idx])
 
+    def skip(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor,
+             layer_hidden: torch.Tensor | None = None) -> None:
+        """A plain step (the root alone, no propose): its pair joins the pending ones, which the
+        next propose feeds to the drafter in one forward."""
+        idx = torch.as_tensor(path, device=hidden.device)
+        self.pending_tokens = self.pending_tokens + tree.tokens[[0, *path[1:]]].tolist()  # the old root completes them
+        self.pending_feats = torch.cat([self.pending_feats, self._features(
+            hidden[idx], None if layer_hidden is None else layer_hidden[idx])])
+
     @torch.no_grad()
     def _features(self, hidden: torch.Tensor, layer_hidden: torch.Tensor | None) -> torch.Tensor:
         return self.drafter.input_features(hidden.to(self.dtype),

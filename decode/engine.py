@@ -1,29 +1,45 @@
-"""The fused speculative decoding loop: propose -> verify in ONE pass -> accept -> compact.
+"""The engine: continuous batching of lossless speculative decoding, one verifier forward a step.
 
 Every method (plain decoding, Medusa, EAGLE-1/3 with static or EAGLE-2 dynamic trees, draft
-models, prompt lookup, lookahead) runs through ``generate``:
+models, prompt lookup, the datastore and the grafts, lookahead) runs through ``Engine``; the
+batch-1 ``generate`` is an engine with one row.
 
-    prefill: one forward of the verifier's decoder over the prompt (decode.cache.new_cache)
-             -> first token from the last position's logits (argmax or a sample) = first root
-    step:    tree = proposer.propose(root, hidden before the root, ids)
-             ONE decoder forward over tree.tokens with the tree mask and depth positions on
-             the cache -> hidden (n, H); logits = lm_head(hidden) (n, V)
-             acceptance rule -> (path, next_token); emitted = tokens[path[1:]] + [next_token]
-             cache compacted to prompt + ... + root + accepted nodes; next_token is the next
-             root (not in the cache); hidden[path[-1]] feeds the next proposal.
-    A proposer with ``feature_layers`` (EAGLE-3) also gets those verifier layers' states of the
-    prompt / tree nodes (``layer_hidden=``) in prefill / accept, from the same forwards.
+    engine = Engine(model, max_num_seqs=16)
+    seq = engine.add(prompt_ids, proposer=..., max_new_tokens=128, temperature=0.7, generator=g)
+    while engine.busy:
+        engine.step()          # every live row advances; seq.out grows; seq.done when it stops
 
-"Fused": the hidden states the proposer needs for the next step come from the same
-verification forward; there is never a second verifier pass.
+One step:
+    decode:  each decoding row's proposer proposes a tree (a row whose budget is 0 this step
+             verifies its root alone: plain decoding is the empty tree); the trees are padded to
+             one width N and verified in ONE forward (decode/forward.py) over the static cache;
+             lm_head over the real nodes; each row's acceptance rule (its own sampling
+             parameters and generator) -> (path, next token); every row's accepted path is
+             compacted in the cache by one fixed-size gather; the proposers get the hidden
+             states of their nodes ("fused": no second verifier pass).
+    prefill: rows still reading their prompt feed their next chunk (at most ``prefill_chunk``
+             tokens a step in all), so a long prompt never stalls the running rows; a row whose
+             prompt is read takes its first token from the last position's logits and decodes
+             from the next step on.
+Rows join (``add``) and leave (stop, ``cancel``) at any step; a finished row's cache row is
+given to another by one copy. Decoding rows hold cache rows 0..B-1 (the forward reads views,
+no gather); rows in prefill hold the top rows.
 
-Lossless: with temperature 0 the output equals the verifier's greedy ``generate`` token for
-token; with temperature > 0 the emitted tokens follow exactly the verifier's law after
-temperature / top-k / top-p (decode.sampling.logits_to_probs). ``acceptance="typical"``
-(Medusa's typical acceptance) is LOSSY and marks the output ``lossy=True``.
+How many draft tokens each row verifies is the budget policy's choice (decode/budget.py:
+``fixed`` = every proposer's whole tree, ``adaptive`` = maximise the batch's expected tokens
+per second from the measured cost of a forward and each row's acceptance; budget 0 skips
+the proposer: plain decoding, at no extra cost).
+
+Lossless: at temperature 0 every row's output equals the verifier's greedy ``generate`` on that
+prompt alone, token for token (in the forward's dtype); at temperature > 0 every emitted token
+follows the verifier's law after temperature / top-k / top-p (decode.sampling.logits_to_probs),
+drawn from the row's own generator. ``acceptance="typical"`` (Medusa's typical acceptance) is
+LOSSY and marks the output ``lossy=True``.
 """
 
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,13 +48,21 @@ from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from draftsmith.decode import sampling
-from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
+from draftsmith.decode.cache import check_compactable, new_cache
+from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree, Proposer, VanillaProposer
 from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.tree import ancestor_mask
 from draftsmith.models.errors import DraftsmithError
 
-# Attention implementations known to add a 4D float mask to the scores as given.
+# Attention implementations known to add a 4D float mask to the scores as given (engine.forward=hf).
 TREE_MASK_ATTENTION = ("eager", "sdpa", "grouped")
+SLOT_BUCKET = 64  # the attended length S is rounded up to a multiple of this (fewer distinct shapes)
+
+
+def width_bucket(n: int) -> int:
+    """The padded tree width of a step: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -134,6 +158,401 @@ def check_architecture(model: PreTrainedModel) -> None:
         raise DraftsmithError(f"{type(model).__name__} (config.model_type={cfg.model_type!r}): {e}") from None
 
 
+@dataclass(eq=False)
+class Request:
+    """One sequence the engine decodes: its settings and its progress (``out``, ``steps``)."""
+
+    prompt: list[int]
+    proposer: Proposer
+    params: SamplingParams
+    rule_name: str
+    stop: "_StopChecker"
+    generator: torch.Generator | None = None
+    on_tokens: Callable[[list[int]], bool | None] | None = None
+    capture: tuple[int, ...] = ()  # verifier layers whose states the proposer needs (EAGLE-3)
+    cancel_requested: bool = False  # Engine.cancel: stop at the next step
+    # progress
+    row: int = -1  # cache row
+    cache_len: int = 0  # tokens in the cache (the root never is)
+    fed: int = 0  # prompt tokens read
+    root: int | None = None  # the last emitted token: node 0 of the next tree
+    hidden_last: torch.Tensor | None = None  # (H,) the state whose logits gave the root
+    ids: list[int] = field(default_factory=list)  # prompt + emitted
+    out: list[int] = field(default_factory=list)  # emitted tokens
+    steps: list = field(default_factory=list)  # StepStats, one per verification
+    done: bool = False
+    error: BaseException | None = None  # a proposer that raised: this request fails alone
+    prompt_hidden: list = field(default_factory=list)  # (t, H) chunks of the prompt's states
+    prompt_layers: list = field(default_factory=list)  # (t, L*H) chunks (capture)
+    t_start: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        return self.root is not None and not self.done
+
+    def result(self) -> "GenerationOutput":
+        return GenerationOutput(tokens=self.out, steps=self.steps, lossy=self.rule_name in sampling.LOSSY_RULES,
+                                acceptance=self.rule_name, proposer=self.proposer.name, stop_reason=self.stop.reason,
+                                prefill_s=self.prefill_s, total_s=self.total_s, prompt_len=len(self.prompt))
+
+
+class Engine:
+    """Continuous batching of speculative decoding over one verifier (see the module docstring).
+
+    model: the HF causal LM (or a models.verifier.Verifier). max_num_seqs: rows decoded
+    together. max_len: cache slots per row (prompt + new tokens + one tree; grown when a row
+    needs more). forward: fast | hf | auto (decode/forward.py). prefill_chunk: prompt tokens
+    read per step in all. budget: a decode.budget policy (None = every proposer's full tree).
+    """
+
+    def __init__(self, model, *, max_num_seqs: int = 1, max_len: int = 1024, forward: str = "auto",
+                 prefill_chunk: int = 512, budget=None):
+        if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "model", None), PreTrainedModel):
+            model = model.model  # a models.verifier.Verifier
+        if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
+            raise DraftsmithError(f"max_num_seqs={max_num_seqs}, max_len={max_len}, prefill_chunk={prefill_chunk}: "
+                                  f"each must be >= 1 (max_len >= 2)")
+        check_architecture(model)
+        self.model, self.lm_head = model, model.get_output_embeddings()
+        self.device = self.lm_head.weight.device
+        self.forward = make_forward(model, forward, max_num_seqs, max_len)
+        if self.forward.name == "hf" and getattr(model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
+            raise DraftsmithError(f"attn_implementation={model.config._attn_implementation!r} cannot take the engine's "
+                                  f"4D masks; load the verifier with attn_implementation='sdpa'")
+        self.max_num_seqs, self.prefill_chunk, self.budget = max_num_seqs, prefill_chunk, budget
+        self.decoding: list[Request] = []  # cache rows 0..B-1, in this order
+        self.prefilling: list[Request] = []  # rows reading their prompt (top cache rows)
+        self.waiting: list[Request] = []  # not yet given a cache row
+        self.finished: list[Request] = []  # done since the last step() returned them
+        self.lock = threading.Lock()  # add / cancel from other threads
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, prompt: Sequence[int], *, proposer: Proposer | None = None, max_new_tokens: int = 128,
+            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, acceptance: str = "auto",
+            eos_token_id=None, stop_strings=None, tokenizer=None, generator: torch.Generator | None = None,
+            posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+            on_tokens: Callable[[list[int]], bool | None] | None = None) -> Request:
+        """Queue a request; it joins the batch at the next step with a free row."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise DraftsmithError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise DraftsmithError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                                posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+        rule_name = sampling.resolve_rule(acceptance, params)
+        proposer = VanillaProposer(self.device) if proposer is None else proposer
+        request = Request(prompt=prompt, proposer=proposer, params=params, rule_name=rule_name,
+                          stop=_stop_checker(self.model, max_new_tokens, eos_token_id, stop_strings, tokenizer),
+                          generator=generator, on_tokens=on_tokens, capture=tuple(_feature_layers(proposer, self.model)),
+                          ids=list(prompt), t_start=time.perf_counter())
+        self._reserve(request, len(prompt) + max_new_tokens)
+        with self.lock:
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request at the next step (stop_reason "cancelled"); its row is freed."""
+        request.cancel_requested = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.decoding or self.prefilling or self.waiting)
+
+    def _reserve(self, request: Request, tokens: int) -> None:
+        """Grow the cache when a request may need more slots than a row has (prompt + new tokens
+        + the widest tree)."""
+        need = tokens + 2 * SLOT_BUCKET
+        cache = self.forward.cache
+        if need > cache.max_len:
+            cache.grow(need)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Advance every live row by one verification (decoding rows) or one prompt chunk
+        (prefilling rows); -> the requests that finished (or were cancelled) in this step."""
+        with self.lock:
+            self._admit()
+        self._release()  # cancelled since the last step: gone before any work
+        if self.decoding:
+            self._decode()
+        if self.prefilling:
+            self._prefill()
+        self._release()
+        out, self.finished = self.finished, []
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.decoding) + len(self.prefilling) < self.max_num_seqs:
+            request = self.waiting.pop(0)
+            used = {r.row for r in self.prefilling}
+            request.row = max(r for r in range(self.max_num_seqs) if r not in used and r >= len(self.decoding))
+            self.prefilling.append(request)
+
+    def _release(self) -> None:
+        """Finished and cancelled rows leave (to self.finished); the last decoding row takes a
+        freed decoding row's cache row."""
+        done = [r for r in self.decoding + self.prefilling if r.done or r.cancel_requested]
+        for request in done:
+            if not request.done:
+                request.stop.reason, request.done = "cancelled", True
+            request.total_s = time.perf_counter() - request.t_start
+            if request in self.prefilling:
+                self.prefilling.remove(request)
+                continue
+            index = self.decoding.index(request)
+            last = self.decoding.pop()
+            if last is not request:  # the last row moves into the hole: rows stay 0..B-1
+                self.forward.cache.move_row(last.row, request.row, last.cache_len)
+                last.row = request.row
+                self.decoding[index] = last
+        self.finished += done
+
+    # ------------------------------------------------------------------ decoding rows
+
+    def _decode(self) -> None:
+        rows = self.decoding
+        t0 = time.perf_counter()
+        budgets = self.budget.choose(rows) if self.budget is not None else [None] * len(rows)
+        trees, proposed = [], []
+        for request, budget in zip(rows, budgets):
+            tree, ran = self._propose(request, budget)
+            trees.append(tree)
+            proposed.append(ran)
+        sync_device(self.device)
+        t1 = time.perf_counter()
+        width = width_bucket(max(t.size for t in trees))
+        inputs = batch_inputs(trees, [r.cache_len for r in rows], width, self.device)
+        length = _slot_bucket(max(r.cache_len for r in rows) + width, self.forward.cache.max_len)
+        capture = sorted({i for r in rows for i in r.capture})
+        hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length),
+                                        len(rows), length, capture)
+        real = hidden[inputs.real]  # (sum n, H)
+        logits = self.lm_head(real)  # (sum n, V)
+        sync_device(self.device)
+        t2 = time.perf_counter()
+        order = torch.arange(width, device=self.device).repeat(len(rows), 1)  # (B, N)
+        results, start = [], 0
+        for b, (request, tree) in enumerate(zip(rows, trees)):
+            n = tree.size
+            rule = sampling.get_rule(request.rule_name)  # looked up per call, so a test can swap a rule in
+            path, next_token = rule(tree, logits[start:start + n], request.params, request.generator)
+            start += n
+            order[b, : len(path)] = torch.as_tensor(path, device=self.device)
+            results.append((path, next_token))
+        base = torch.tensor([r.cache_len for r in rows], device=self.device)
+        self.forward.cache.compact(len(rows), base, order)
+        layer_of = {layer: j for j, layer in enumerate(capture)}
+        for b, (request, tree, ran, (path, next_token)) in enumerate(zip(rows, trees, proposed, results)):
+            n = tree.size
+            extra = {}
+            if request.capture:
+                H = hidden.shape[-1]
+                parts = [captured[b, :n, layer_of[i] * H:(layer_of[i] + 1) * H] for i in request.capture]
+                extra["layer_hidden"] = torch.cat(parts, dim=-1)  # (n, L*H)
+            self._accept(request, tree, path, next_token, hidden[b, :n], extra, ran)
+        sync_device(self.device)
+        t3 = time.perf_counter()
+        for request, tree, (path, _) in zip(rows, trees, results):
+            request.steps[-1] = StepStats(num_nodes=tree.size, accepted=len(path) - 1,
+                                          emitted=request.steps[-1].emitted, time_s=t3 - t0, propose_s=t1 - t0,
+                                          verify_s=t2 - t1, accept_s=t3 - t2)
+        if self.budget is not None:
+            self.budget.observe(rows, trees, [len(p) - 1 for p, _ in results], inputs.tokens.numel(), t2 - t1)
+
+    def _propose(self, request: Request, budget: int | None) -> tuple[DraftTree, bool]:
+        """The row's tree for this step, cut to `budget` drafted nodes (0: the root alone, the
+        proposer not run); -> (tree, whether the proposer ran)."""
+        if budget == 0:
+            return root_tree(request.root, self.device), False
+        try:
+            tree = request.proposer.propose(request.root, request.hidden_last, request.ids)
+        except Exception as e:  # this request fails alone, naming the cause; the batch goes on
+            request.error, request.stop.reason, request.done = e, "error", True
+            return root_tree(request.root, self.device), False
+        if budget is not None and tree.size > budget + 1:
+            tree = truncate(tree, budget + 1)
+        return tree, True
+
+    def _accept(self, request: Request, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor,
+                extra: dict, ran: bool) -> None:
+        request.cache_len += len(path)
+        accepted = tree.tokens[path[1:]].tolist() if len(path) > 1 else []
+        n_before = len(request.out)
+        if not request.done:
+            request.done = request.stop.extend(request.out, request.ids, accepted + [next_token])
+            if request.on_tokens is not None and request.on_tokens(request.out[n_before:]) is False and not request.done:
+                request.done, request.stop.reason = True, "cancelled"
+            try:
+                (request.proposer.accept if ran else request.proposer.skip)(tree, path, next_token, hidden, **extra)
+            except Exception as e:
+                request.error, request.stop.reason, request.done = e, "error", True
+        request.root, request.hidden_last = next_token, hidden[path[-1]]  # (H,)
+        request.steps.append(StepStats(num_nodes=tree.size, accepted=len(path) - 1,
+                                       emitted=len(request.out) - n_before, time_s=0.0))
+
+    # ------------------------------------------------------------------ prefilling rows
+
+    def _prefill(self) -> None:
+        """Each prefilling row (oldest first) reads its next chunk, prefill_chunk tokens in all;
+        rows whose prompt is complete get their first token and start decoding."""
+        budget, chunks = self.prefill_chunk, []
+        for request in self.prefilling:
+            take = min(budget, len(request.prompt) - request.fed)
+            if take <= 0:
+                break
+            chunks.append((request, request.prompt[request.fed: request.fed + take]))
+            budget -= take
+        trees = [chain_tree(tokens, self.device) for _, tokens in chunks]
+        width = max(t.size for t in trees)
+        rows = torch.tensor([r.row for r, _ in chunks], device=self.device)
+        inputs = batch_inputs(trees, [r.fed for r, _ in chunks], width, self.device)
+        length = _slot_bucket(max(r.fed for r, _ in chunks) + width, self.forward.cache.max_len)
+        capture = sorted({i for r, _ in chunks for i in r.capture})
+        hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), rows,
+                                        length, capture)
+        layer_of = {layer: j for j, layer in enumerate(capture)}
+        for b, ((request, tokens), tree) in enumerate(zip(chunks, trees)):
+            n = len(tokens)
+            request.fed += n
+            request.cache_len = request.fed
+            request.prompt_hidden.append(hidden[b, :n])
+            if request.capture:
+                H = hidden.shape[-1]
+                request.prompt_layers.append(torch.cat(
+                    [captured[b, :n, layer_of[i] * H:(layer_of[i] + 1) * H] for i in request.capture], dim=-1))
+            if request.fed == len(request.prompt):
+                self._first(request)
+
+    def _first(self, request: Request) -> None:
+        """The prompt is read: the first token from its last logits, the proposer's prefill,
+        and the row moves to the decoding rows (cache row B)."""
+        hidden = torch.cat(request.prompt_hidden)  # (T, H)
+        extra = {"layer_hidden": torch.cat(request.prompt_layers)} if request.capture else {}
+        request.prompt_hidden, request.prompt_layers = [], []
+        first = _first_token(self.lm_head(hidden[-1]), request.rule_name, request.params, request.generator)
+        samples = getattr(request.proposer, "samples_drafts", None)  # a duck-typed proposer may lack the hook
+        try:
+            if samples is not None and samples(request.params):  # the draft's own draws follow the request's generator
+                device = request.generator.device if request.generator is not None else "cpu"
+                request.proposer.seed_draws(int(torch.randint(2**62, (), generator=request.generator, device=device)))
+            request.proposer.prefill(torch.tensor(request.prompt, device=self.device), hidden, request.params, **extra)
+        except Exception as e:
+            request.error, request.stop.reason = e, "error"
+        request.done = request.error is not None or request.stop.extend(request.out, request.ids, [first])
+        if request.on_tokens is not None and request.on_tokens(request.out[:]) is False and not request.done:
+            request.done, request.stop.reason = True, "cancelled"
+        sync_device(self.device)
+        request.prefill_s = time.perf_counter() - request.t_start
+        request.root, request.hidden_last = first, hidden[-1]
+        self.prefilling.remove(request)
+        target = len(self.decoding)
+        if request.row != target:
+            other = next((r for r in self.prefilling if r.row == target), None)
+            if other is None:
+                self.forward.cache.move_row(request.row, target, request.cache_len)
+            else:  # another row still reading its prompt holds it: they exchange rows
+                self.forward.cache.swap_rows(request.row, target, max(request.cache_len, other.cache_len))
+                other.row = request.row
+            request.row = target
+        self.decoding.append(request)
+
+
+@dataclass
+class BatchInputs:
+    """A step's padded (B, N) inputs (see decode/forward.py)."""
+
+    tokens: torch.Tensor  # (B, N)
+    positions: torch.Tensor  # (B, N)
+    slots: torch.Tensor  # (B, N)
+    ancestors: torch.Tensor  # (B, N, N) bool; a pad node sees itself only
+    cache_lens: torch.Tensor  # (B,)
+    real: torch.Tensor  # (B, N) bool: real nodes (not padding)
+
+    def allowed(self, length: int) -> torch.Tensor:
+        """(B, N, length) bool: a node sees its row's cached slots, its ancestors and itself."""
+        B, N = self.tokens.shape
+        cols = torch.arange(length, device=self.tokens.device)
+        allowed = (cols[None, None, :] < self.cache_lens[:, None, None]).expand(B, N, length).clone()
+        allowed.scatter_(2, self.slots[:, None, :].expand(B, N, N), self.ancestors)
+        return allowed
+
+
+def batch_inputs(trees: list[DraftTree], cache_lens: list[int], width: int, device) -> BatchInputs:
+    """Pad every row's tree to `width` nodes: tokens, depth positions, cache slots, ancestors."""
+    B = len(trees)
+    tokens = torch.zeros(B, width, dtype=torch.long, device=device)
+    ancestors = torch.eye(width, dtype=torch.bool, device=device).repeat(B, 1, 1)  # (B, N, N)
+    real = torch.zeros(B, width, dtype=torch.bool, device=device)
+    for b, tree in enumerate(trees):
+        n = tree.size
+        tokens[b, :n] = tree.tokens
+        anc = tree.buffers.ancestors if tree.buffers is not None else _ancestors(tree)
+        ancestors[b, :n, :n] = anc.to(device)
+        real[b, :n] = True
+    lens = torch.tensor(cache_lens, dtype=torch.long, device=device)
+    depths = ancestors.sum(-1) - 1  # (B, N); a pad node: depth 0
+    slots = lens[:, None] + torch.arange(width, device=device)[None]
+    return BatchInputs(tokens, lens[:, None] + depths, slots, ancestors, lens, real)
+
+
+def _ancestors(tree: DraftTree) -> torch.Tensor:
+    if tree.is_chain:
+        n = tree.size
+        return torch.ones(n, n, dtype=torch.bool).tril_()
+    return ancestor_mask(tree.parents.cpu())
+
+
+def _slot_bucket(need: int, max_len: int) -> int:
+    return min(max_len, -(-need // SLOT_BUCKET) * SLOT_BUCKET)
+
+
+def root_tree(root: int, device) -> DraftTree:
+    """The tree of a plain step: the root alone."""
+    return DraftTree(tokens=torch.tensor([root], dtype=torch.long, device=device),
+                     parents=torch.tensor([-1], dtype=torch.long, device=device), is_chain=True)
+
+
+def chain_tree(tokens: list[int], device) -> DraftTree:
+    n = len(tokens)
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                     parents=torch.arange(-1, n - 1, dtype=torch.long, device=device), is_chain=True)
+
+
+def truncate(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first n nodes (topological order: a valid tree); sampled siblings left out are
+    children never tried, which the rejection walk allows."""
+    keep = slice(0, n)
+    return DraftTree(tokens=tree.tokens[keep], parents=tree.parents[keep],
+                     draft_probs=None if tree.draft_probs is None else tree.draft_probs[keep],
+                     sampled=None if tree.sampled is None else tree.sampled[keep])
+
+
+_ENGINES: "weakref.WeakKeyDictionary[PreTrainedModel, list]" = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
+
+
+def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int) -> "Engine":
+    """A one-row engine for this model, reused across calls (its cache grows to the longest)."""
+    with _ENGINES_LOCK:
+        pool = _ENGINES.setdefault(model, [])
+        for engine in pool:
+            if engine.forward_kind == forward and not engine.busy and not engine.in_use:
+                engine.in_use = True
+                return engine
+    engine = Engine(model, max_num_seqs=1, max_len=max(256, tokens + 2 * SLOT_BUCKET), forward=forward,
+                    prefill_chunk=1 << 30)
+    engine.forward_kind, engine.in_use = forward, True
+    with _ENGINES_LOCK:
+        _ENGINES.setdefault(model, []).append(engine)
+    return engine
+
+
 def generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -151,11 +570,10 @@ def generate(
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
-) -> GenerationOutput:
-    """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding.
-
-    Batch size 1 only. ``model`` is the HF causal LM (``verifier.model``); it is run through
-    its own decoder (``model.get_decoder()``) and output embeddings on ``decode.cache.new_cache``.
+    forward: str = "auto",
+) -> "GenerationOutput":
+    """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding: an
+    Engine with one row (the prompt read in one forward).
 
     Args:
       input_ids: (1, T) prompt.
@@ -175,6 +593,7 @@ def generate(
       on_tokens: called with each step's emitted tokens as soon as they are accepted (the first
         token after the prefill, then every verification); returning False stops generation
         with stop_reason "cancelled" (a client that went away, a timeout).
+      forward: the verifier forward, decode/forward.py (fast | hf | auto).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.
@@ -187,80 +606,25 @@ def generate(
         raise DraftsmithError(f"max_new_tokens={max_new_tokens}: must be >= 1")
     params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)  # validated
-    rule_name = sampling.resolve_rule(acceptance, params)
-    rule = sampling.get_rule(rule_name)  # looked up per call, so a test can swap a rule in
+    sampling.resolve_rule(acceptance, params)
     check_architecture(model)
-    proposer = VanillaProposer(input_ids.device) if proposer is None else proposer
-    stop = _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer)
-    decoder, lm_head, dtype = model.get_decoder(), model.get_output_embeddings(), model.dtype
-    tree_mask_ok = getattr(model.config, "_attn_implementation", None) in TREE_MASK_ATTENTION
-    layers = _feature_layers(proposer, model)
+    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens)
+    try:
+        request = engine.add(input_ids[0].tolist(), proposer=proposer, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, acceptance=acceptance,
+                             eos_token_id=eos_token_id, stop_strings=stop_strings, tokenizer=tokenizer,
+                             generator=generator, posterior_threshold=posterior_threshold,
+                             posterior_alpha=posterior_alpha, on_tokens=on_tokens)
+        with torch.inference_mode():
+            while engine.busy:
+                engine.step()
+    finally:
+        engine.waiting, engine.prefilling, engine.decoding = [], [], []
+        engine.in_use = False
+    if request.error is not None:
+        raise request.error
+    return request.result()
 
-    with torch.inference_mode():
-        t_start = time.perf_counter()
-        cache = new_cache(model.config)
-        hidden, extra = _decoder_forward(decoder, layers, input_ids=input_ids, cache=cache, use_cache=True)  # (T, H)
-        first = _first_token(lm_head(hidden[-1]), rule_name, params, generator)
-        samples = getattr(proposer, "samples_drafts", None)  # a duck-typed proposer may lack the hook
-        if samples is not None and samples(params):  # the draft's own draws follow this call's generator
-            device = generator.device if generator is not None else "cpu"
-            proposer.seed_draws(int(torch.randint(2**62, (), generator=generator, device=device)))
-        proposer.prefill(input_ids[0], hidden, params, **extra)
-        cache_len = input_ids.shape[1]  # tokens in the cache; the root never is
-        ids: list[int] = input_ids[0].tolist()  # prompt + emitted (root included)
-        out: list[int] = []
-        steps: list[StepStats] = []
-        done = stop.extend(out, ids, [first])
-        if on_tokens is not None and on_tokens(out[:]) is False and not done:
-            done, stop.reason = True, "cancelled"
-        sync_device(input_ids.device)
-        prefill_s = time.perf_counter() - t_start
-        root, hidden_last = first, hidden[-1]  # (H,): the state whose logits gave the root
-
-        while not done:
-            t0 = time.perf_counter()
-            tree: DraftTree = proposer.propose(root, hidden_last, ids)
-            sync_device(input_ids.device)
-            t1 = time.perf_counter()
-            if tree.is_chain:  # causal = the chain's tree mask: the model's own mask, any attention
-                mask, position_ids = None, None
-            elif not tree_mask_ok:
-                raise DraftsmithError(
-                    f"attn_implementation={model.config._attn_implementation!r} cannot take a tree mask; "
-                    "load the verifier with attn_implementation='sdpa' or decode with a chain"
-                )
-            else:
-                mask, position_ids = tree.verify_inputs(cache_len, dtype)  # (1, 1, n, L + n), (1, n)
-            hidden, extra = _decoder_forward(
-                decoder, layers, input_ids=tree.tokens[None], attention_mask=mask, position_ids=position_ids,
-                cache=cache, use_cache=True,
-            )  # (n, H)
-            logits = lm_head(hidden)  # (n, V)
-            sync_device(input_ids.device)
-            t2 = time.perf_counter()
-
-            path, next_token = rule(tree, logits, params, generator)  # the acceptance rule
-            compact_cache(cache, cache_len, path)
-            cache_len += len(path)
-            accepted = tree.tokens[path[1:]].tolist() if len(path) > 1 else []
-            n_before = len(out)
-            done = stop.extend(out, ids, accepted + [next_token])
-            if on_tokens is not None and on_tokens(out[n_before:]) is False and not done:
-                done, stop.reason = True, "cancelled"
-            proposer.accept(tree, path, next_token, hidden, **extra)
-            root, hidden_last = next_token, hidden[path[-1]]  # (H,)
-            sync_device(input_ids.device)
-            t3 = time.perf_counter()
-            steps.append(StepStats(
-                num_nodes=tree.size, accepted=len(path) - 1, emitted=len(out) - n_before,
-                time_s=t3 - t0, propose_s=t1 - t0, verify_s=t2 - t1, accept_s=t3 - t2,
-            ))
-
-    return GenerationOutput(
-        tokens=out, steps=steps, lossy=rule_name in sampling.LOSSY_RULES, acceptance=rule_name,
-        proposer=proposer.name, stop_reason=stop.reason, prefill_s=prefill_s,
-        total_s=time.perf_counter() - t_start, prompt_len=input_ids.shape[1],
-    )
 
 
 def sync_device(device: torch.device) -> None:
@@ -268,29 +632,6 @@ def sync_device(device: torch.device) -> None:
     accept as they ran (CUDA launches return at once); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _feature_layers(proposer: Proposer, model: PreTrainedModel) -> list[int]:
-    """Verifier layers (0-based) whose outputs the proposer needs besides the final hidden state."""
-    layers = [int(i) for i in getattr(proposer, "feature_layers", None) or ()]
-    n = model.config.num_hidden_layers
-    bad = [i for i in layers if not 0 <= i < n]
-    if bad:
-        raise DraftsmithError(f"{proposer.name} proposer asks for verifier layers {bad}; the verifier has {n} (0..{n - 1})")
-    return layers
-
-
-def _decoder_forward(decoder, layers: list[int], **kwargs) -> tuple[torch.Tensor, dict]:
-    """One verifier decoder forward -> (final hidden (n, H), extra proposer inputs).
-
-    With ``layers`` the extra dict holds ``layer_hidden`` (n, L*H): those layers' outputs,
-    concatenated in order, indexed as models.verifier.Verifier.features does (what EAGLE-3
-    trained on). Without, no hidden states are collected (plain and Medusa decoding)."""
-    if not layers:
-        return decoder(**kwargs).last_hidden_state[0], {}  # (n, H)
-    out = decoder(**kwargs, output_hidden_states=True)
-    hidden = out.last_hidden_state[0]  # (n, H)
-    return hidden, {"layer_hidden": torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)}  # (n, L*H)
 
 
 def _first_token(logits: torch.Tensor, rule_name: str, params: SamplingParams, generator) -> int:
@@ -341,3 +682,13 @@ def summarize(outputs: Sequence[GenerationOutput]) -> dict:
         "total_s": total_s,
         "lossy": any(o.lossy for o in outputs),
     }
+
+
+def _feature_layers(proposer: Proposer, model: PreTrainedModel) -> list[int]:
+    """Verifier layers (0-based) whose outputs the proposer needs besides the final hidden state."""
+    layers = [int(i) for i in getattr(proposer, "feature_layers", None) or ()]
+    n = model.config.num_hidden_layers
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise DraftsmithError(f"{proposer.name} proposer asks for verifier layers {bad}; the verifier has {n} (0..{n - 1})")
+    return layers

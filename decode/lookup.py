@@ -239,6 +239,9 @@ class PromptLookupGraft(Proposer):
     def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:
         self.inner.accept(tree, path, next_token, hidden, **extra)
 
+    def skip(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:
+        self.inner.skip(tree, path, next_token, hidden, **extra)
+
 
 class LookaheadProposer(Proposer):
     """Lookahead decoding: Jacobi window (W columns, N-1 levels), n-gram pool, guess set G.

@@ -1,11 +1,12 @@
 """Proposers: turn the verifier's state at the last accepted node into a token tree to verify.
 
-The engine (decode/engine.py) drives every proposer through the same four calls:
+The engine (decode/engine.py) drives every proposer through the same calls:
 
     proposer.prefill(prompt_ids, hidden, sampling)    # once, after the verifier's prefill
     tree = proposer.propose(root, hidden_last, ids)   # each step, before the verifier forward
     ...one verifier forward over tree.tokens, acceptance rule -> path, next_token...
     proposer.accept(tree, path, next_token, hidden)   # each step, after acceptance
+    proposer.skip(tree, path, next_token, hidden)     # instead, after a step it did not propose
 
 - ``root`` is the last emitted token (node 0 of the tree; not yet in the verifier's KV cache).
 - ``hidden_last`` (H,) is the verifier's final normed hidden state at the position BEFORE the
@@ -109,6 +110,11 @@ class Proposer:
 
     def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor) -> None:
         """After acceptance: path (node indices from 0), hidden (n, H) of every tree node."""
+
+    def skip(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:
+        """A step verified the root alone without calling ``propose`` (the engine's budget was 0:
+        plain decoding). A proposer whose state follows the verified tokens catches up here, or
+        in its next ``propose``; ``ids`` there always holds every token."""
 
 
 class VanillaProposer(Proposer):

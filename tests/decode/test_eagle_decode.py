@@ -235,22 +235,28 @@ def test_dynamic_tree_with_top1_is_the_chain(greedy_setup):
     assert all(x[1].tokens.tolist() == y[1].tokens.tolist() for x, y in zip(chain.calls, dyn.calls))
 
 
-def test_engine_asks_for_layers_only_when_needed(greedy_setup, monkeypatch):
+@pytest.mark.parametrize("forward", ["fast", "hf"])
+def test_engine_asks_for_layers_only_when_needed(greedy_setup, monkeypatch, forward):
+    """The verifier forward captures layer states only for a proposer that reads them (EAGLE-3)."""
+    from draftsmith.decode import forward as forwards
+
     model, drafters = greedy_setup
-    decoder = model.get_decoder()
+    impl = {"fast": forwards.FastLlama, "hf": forwards.HFForward}[forward]
     seen = []
-    original = decoder.forward
+    original = impl.__call__
 
-    def spy(*args, **kwargs):
-        seen.append(bool(kwargs.get("output_hidden_states")))
-        return original(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        seen.append(tuple(args[6] if len(args) > 6 else kwargs.get("capture", ())))
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(decoder, "forward", spy)  # the verifier's decoder only, not the drafter's
-    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8)
+    monkeypatch.setattr(impl, "__call__", spy)
+    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8,
+             forward=forward)
     assert seen and not any(seen)
     seen.clear()
-    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle3"], "chain"), max_new_tokens=8)
-    assert seen and all(seen)
+    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle3"], "chain"), max_new_tokens=8,
+             forward=forward)
+    assert seen and all(c == tuple(sorted(set(drafters["eagle3"].config.fusion_layers))) for c in seen)
 
 
 def test_bad_arguments_fail_clearly(greedy_setup):

@@ -135,7 +135,7 @@ def test_every_emitted_token_follows_the_bf16_verifiers_law(setup, monkeypatch, 
     candidates = candidate_lists(outs, recorder) if method in DETERMINISTIC else None
     us = pit_values(model, prompts, outs, temperature, seed=3, candidates=candidates)
     pvalue = kstest(us, "uniform").pvalue
-    assert len(us) > 2000 and pvalue > 1e-3, (method, pvalue, len(us))
+    assert len(us) > 1500 and pvalue > 1e-3, (method, pvalue, len(us))  # ~1,900-3,000 tokens (EOS ends some runs)
     assert any(o.stop_reason == "eos" and o.tokens[-1] == EOS for o in outs)
     assert all(EOS not in o.tokens[:-1] for o in outs)
     if method != "vanilla":

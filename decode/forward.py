@@ -1,0 +1,268 @@
+"""The verifier forward the engine runs: many rows, each a token tree, over one static KV cache.
+
+    fwd = make_forward(model, "fast", max_rows=8, max_len=2048)   # or "hf", or "auto"
+    hidden, captured = fwd(tokens, positions, slots, allowed, rows=4, length=S, capture=[1, 14, 26])
+
+One call verifies B rows of N tokens each (a row's tree, padded; a prefill chunk is a chain):
+
+    tokens    (B, N) long   the tokens fed
+    positions (B, N) long   their positions (cache length + depth in the tree)
+    slots     (B, N) long   the cache slots their keys/values are written to (cache length + i)
+    allowed   (B, N, S) bool  what each token attends to: its row's cached slots, its ancestors, itself
+    rows      int B (cache rows 0..B-1) or a (B,) long tensor of cache rows
+    length    S: the attended slots 0..S-1 of each row (a bucket >= every row's cache length + N)
+
+-> hidden (B, N, H), the final normed states (lm_head(hidden) are the logits), and `captured`
+(B, N, len(capture) * H): the outputs of those decoder layers (EAGLE-3's fusion layers; sorted,
+distinct; the last layer's is the normed state, as HF's hidden_states[-1]), or None.
+
+The cache (`StaticKV`) is preallocated: (layers, max_rows, kv_heads, max_len, head_dim) keys and
+values. A row's accepted path is compacted in place with one fixed-size gather for all layers
+(`StaticKV.compact`), and a finished row's cache is handed to another by copying it
+(`StaticKV.move_row`).
+
+Two implementations, chosen by `engine.forward` (FORWARDS; unknown values refused):
+- fast: a purpose-built forward for the Llama family (llama, mistral, qwen2: RMSNorm, rotary
+  embeddings with HF's own inv_freq and scaling, grouped-query attention, optional q/k/v/o and
+  MLP biases, SwiGLU), running from the HF model's own weights (no copy). Its arithmetic follows
+  HF's modules op for op (RMSNorm in float32, rotate_half, softmax in float32); checked logit
+  for logit against HF's forward on tiny configs of every preset family
+  (tests/decode/test_forward.py). One Python call per layer op, no HF module dispatch, no
+  mask building per layer: the per-step overhead that eager HF pays 30 times.
+- hf: the HF model's own decoder with a transformers Cache that writes into the same static
+  cache (the fallback for every other architecture).
+- auto: fast when the architecture is supported, else hf.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
+
+from draftsmith.decode.tree import additive_mask
+from draftsmith.models.errors import DraftsmithError, choose
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+class StaticKV:
+    """Preallocated keys and values (layers, rows, kv_heads, max_len, head_dim) in one tensor each."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (num_layers, rows, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows, self.max_len = rows, max_len
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows, slots: torch.Tensor) -> None:
+        """keys / values (B, Hkv, N, D) of the step's tokens -> cache slots (B, N) of `rows`."""
+        index = row_index(rows, slots)  # (B, N) cache rows
+        self.keys[layer][index, :, slots] = keys.transpose(1, 2)  # (B, N, Hkv, D)
+        self.values[layer][index, :, slots] = values.transpose(1, 2)
+
+    def read(self, layer: int, rows, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) (B, Hkv, length, D) of `rows`: views for rows 0..B-1, copies otherwise."""
+        if isinstance(rows, int):
+            return self.keys[layer, :rows, :, :length], self.values[layer, :rows, :, :length]
+        return self.keys[layer, rows, :, :length], self.values[layer, rows, :, :length]
+
+    def compact(self, rows, base: torch.Tensor, order: torch.Tensor) -> None:
+        """For each row b, slots base[b] + j <- base[b] + order[b, j] (j < N), every layer at
+        once: the accepted path (order's first entries) moves to the front of the step's slots."""
+        B, N = order.shape
+        src = base[:, None] + order  # (B, N)
+        dst = base[:, None] + torch.arange(N, device=order.device)[None]  # (B, N)
+        index = row_index(rows, src)
+        for cache in (self.keys, self.values):
+            moved = cache[:, index, :, src]  # (B, N, layers, Hkv, D): a copy, so overlaps are safe
+            cache[:, index, :, dst] = moved
+
+    def grow(self, max_len: int) -> None:
+        """More slots per row (a request longer than the cache was sized for): one copy."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], max_len, old.shape[-1]))
+            new[:, :, :, : self.max_len] = old
+            setattr(self, name, new)
+        self.max_len = max_len
+
+    def swap_rows(self, a: int, b: int, length: int) -> None:
+        """Rows a and b exchange their first `length` slots."""
+        for cache in (self.keys, self.values):
+            cache[:, [a, b], :, :length] = cache[:, [b, a], :, :length]  # advanced indexing reads a copy first
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Row dst's first `length` slots <- row src's (a finished row's cache row reused)."""
+        if src != dst and length:
+            self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
+            self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+
+
+def row_index(rows, like: torch.Tensor) -> torch.Tensor:
+    """(B, N) cache row of every token: rows 0..B-1, or the given (B,) rows."""
+    B, N = like.shape
+    base = torch.arange(rows, device=like.device) if isinstance(rows, int) else rows
+    return base[:, None].expand(B, N)
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder-only HF model's attention."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+def fast_problem(model) -> str | None:
+    """Why the fast forward cannot run this model exactly (one line), or None."""
+    cfg = model.config
+    if cfg.model_type not in FAST_FAMILIES:
+        return f"config.model_type={cfg.model_type!r} is not in the Llama family ({', '.join(FAST_FAMILIES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"config.hidden_act={cfg.hidden_act!r} (the fast forward is SwiGLU with silu)"
+    if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)):
+        return f"config.sliding_window={cfg.sliding_window} is active (the static cache is full attention)"
+    rope = getattr(model.model, "rotary_emb", None)
+    if rope is None or not hasattr(rope, "inv_freq"):
+        return "the model has no rotary embedding with inv_freq"
+    if getattr(rope, "rope_type", "default") == "dynamic":
+        return "dynamic rope scaling changes inv_freq with the length (not a static table)"
+    return None
+
+
+class FastLlama:
+    """The Llama-family decoder as plain tensor ops over the HF model's own weights."""
+
+    name = "fast"
+
+    def __init__(self, model, cache: StaticKV):
+        problem = fast_problem(model)
+        if problem:
+            raise DraftsmithError(f"engine.forward=fast: {problem}; use engine.forward=hf (or auto)")
+        self.model, self.cache = model, cache
+        inner = model.model
+        self.embed, self.norm, self.layers = inner.embed_tokens, inner.norm, list(inner.layers)
+        self.num_layers, self.kv_heads, self.head_dim = kv_shape(model)
+        self.heads = model.config.num_attention_heads
+        rope = inner.rotary_emb
+        self.inv_freq, self.rope_scaling = rope.inv_freq, float(getattr(rope, "attention_scaling", 1.0))
+        self.scale = self.layers[0].self_attn.scaling
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (B, 1, N, D) in `dtype`, as HF's rotary embedding computes them."""
+        freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    @torch.inference_mode()
+    def __call__(self, tokens, positions, slots, allowed, rows, length: int, capture=()):
+        B, N = tokens.shape
+        h = self.embed(tokens)  # (B, N, H)
+        cos, sin = self.rope(positions, h.dtype)
+        mask = allowed[:, None]  # (B, 1, N, S) bool: True = attend
+        captured = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = rms_norm(h, layer.input_layernorm)
+            q = attn.q_proj(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, N, D)
+            k = attn.k_proj(x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
+            v = attn.v_proj(x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            self.cache.write(i, k, v, rows, slots)
+            keys, values = self.cache.read(i, rows, length)  # (B, Hkv, S, D)
+            o = attention(q, keys, values, mask, self.scale)  # (B, N, Hq * D)
+            h = h + attn.o_proj(o)
+            x = rms_norm(h, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if i in capture and i < self.num_layers - 1:
+                captured.append(h)
+        hidden = rms_norm(h, self.norm)
+        if self.num_layers - 1 in capture:  # HF's hidden_states[-1] is the normed output, as trained on
+            captured.append(hidden)
+        return hidden, (torch.cat(captured, dim=-1) if capture else None)
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """HF's LlamaRMSNorm: in float32, then the weight times the result in x's dtype."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attention(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """Grouped-query attention, eager's arithmetic (softmax in float32; float64 stays float64):
+    q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S) bool -> (B, N, Hq * D).
+    The query heads of a group are stacked along the query axis (no repeated keys)."""
+    B, Hq, N, D = q.shape
+    kv_heads, S = keys.shape[1], keys.shape[2]
+    group = Hq // kv_heads
+    stacked = q.reshape(B, kv_heads, group * N, D)
+    scores = torch.matmul(stacked, keys.transpose(2, 3)) * scale  # (B, Hkv, G*N, S)
+    scores = scores.view(B, kv_heads, group, N, S).masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    out = torch.matmul(probs.view(B, kv_heads, group * N, S), values)  # (B, Hkv, G*N, D)
+    return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D)
+
+
+class _StaticLayer(DynamicLayer):
+    """A transformers cache layer over one layer of a StaticKV for the step being run."""
+
+    def __init__(self, store: StaticKV, index: int):
+        super().__init__()
+        self.store, self.index, self.is_initialized = store, index, True
+        self.step = None  # (rows, slots, length) of the current forward
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        rows, slots, length = self.step
+        self.store.write(self.index, key_states, value_states, rows, slots)
+        return self.store.read(self.index, rows, length)
+
+    def get_seq_length(self) -> int:
+        return self.step[2] if self.step else 0
+
+
+class HFForward:
+    """The HF model's own decoder over the static cache (any architecture whose layers are full
+    attention and take a 4D additive mask)."""
+
+    name = "hf"
+
+    def __init__(self, model, cache: StaticKV):
+        self.model, self.cache = model, cache
+        self.decoder = model.get_decoder()
+        self.hf_cache = Cache(layers=[_StaticLayer(cache, i) for i in range(cache.keys.shape[0])])
+
+    @torch.inference_mode()
+    def __call__(self, tokens, positions, slots, allowed, rows, length: int, capture=()):
+        for layer in self.hf_cache.layers:
+            layer.step = (rows, slots, length)
+        mask = additive_mask(allowed, self.model.dtype)[:, None]  # (B, 1, N, S)
+        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.hf_cache,
+                           use_cache=True, output_hidden_states=bool(capture))
+        captured = torch.cat([out.hidden_states[i + 1] for i in capture], dim=-1) if capture else None
+        return out.last_hidden_state, captured
+
+
+FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}
+
+
+def make_forward(model, kind: str, max_rows: int, max_len: int):
+    """The verifier forward of `kind` (fast | hf | auto) with its own static cache."""
+    choose(FORWARDS, kind, "engine.forward")
+    if kind == "auto":
+        kind = "hf" if fast_problem(model) else "fast"
+    layers, kv_heads, head_dim = kv_shape(model)
+    param = next(model.parameters())
+    cache = StaticKV(layers, max_rows, kv_heads, max_len, head_dim, param.dtype, param.device)
+    return FORWARDS[kind](model, cache)

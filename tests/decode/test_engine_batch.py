@@ -1,0 +1,201 @@
+"""The batched engine: every row lossless whatever its neighbours.
+
+Rows of every proposer kind (plain, Medusa, EAGLE-1 / EAGLE-3 trees, a draft model, prompt
+lookup, lookahead) join and leave one Engine at staggered steps, with prompts read in chunks
+beside rows that decode. Greedy: every row equals HF `generate` on its prompt alone (tiny fp64
+Llama). Sampling: rows at different temperatures / top-p follow the verifier's law token by
+token (probability-integral transform), and a seeded request emits the same tokens alone or
+beside others. Teeth: rows reading each other's cache, and one generator shared by all rows,
+must fail these checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import kstest
+
+from draftsmith.decode import forward as forwards
+from draftsmith.decode.engine import Engine
+from draftsmith.decode.proposers import Proposer, make_proposer
+from draftsmith.decode.sampling import logits_to_probs
+from tests.decode.test_draft_proposer import noisy_copy
+from tests.decode.test_eagle_decode import fitted_drafter
+from tests.decode.test_engine import fitted_heads, reference
+from tests.tiny import tiny_llama
+
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_llama(eos_token_id=None)
+        heads, eagle1, eagle3 = fitted_heads(model), fitted_drafter(model, "eagle1"), fitted_drafter(model, "eagle3")
+        draft = noisy_copy(model, 0.02)
+    finally:
+        torch.set_num_threads(threads)
+    embed, head = model.get_input_embeddings(), model.lm_head
+    factories = {
+        "vanilla": lambda: None,
+        "medusa": lambda: make_proposer("medusa", heads=heads, paths=MEDUSA_TREE),
+        "eagle1": lambda: make_proposer("eagle", drafter=eagle1, embed_tokens=embed, lm_head=head, depth=3, top_k=2,
+                                        total_tokens=6),
+        "eagle3": lambda: make_proposer("eagle", drafter=eagle3, embed_tokens=embed, lm_head=head,
+                                        paths=[[0], [0, 0], [1], [0, 0, 0]]),
+        "draft": lambda: make_proposer("draft", model=draft, vocab_size=128, num_tokens=3, tree_topk=[2]),
+        "prompt_lookup": lambda: make_proposer("prompt_lookup", num_tokens=4, max_ngram=2, min_ngram=1),
+        "lookahead": lambda: make_proposer("lookahead", lm_head=head, window=3, ngram=3, guess_set=3, seed=0),
+    }
+    return model, factories
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(4, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# (proposer, prompt seed, prompt length, new tokens, step at which it joins)
+SCHEDULE = [("eagle3", 1, 9, 24, 0), ("vanilla", 2, 5, 10, 0), ("medusa", 3, 21, 30, 0), ("draft", 4, 7, 16, 2),
+            ("eagle1", 5, 12, 20, 3), ("prompt_lookup", 6, 30, 18, 5), ("lookahead", 7, 6, 14, 6),
+            ("medusa", 8, 4, 12, 9)]
+
+
+def run_schedule(model, factories, schedule, max_num_seqs=3, add_kwargs=None):
+    """Add each request at its step; step until all are done -> (requests, the widest batch seen)."""
+    engine = Engine(model, max_num_seqs=max_num_seqs, prefill_chunk=8)
+    requests, step, widest = {}, 0, 0
+    while len(requests) < len(schedule) or engine.busy:
+        for i, (kind, seed, length, new, at) in enumerate(schedule):
+            if at == step:
+                extra = add_kwargs(i) if add_kwargs else {}
+                requests[i] = engine.add(prompt(seed, length), proposer=factories[kind](), max_new_tokens=new,
+                                         eos_token_id=(), **extra)
+        engine.step()
+        widest = max(widest, len(engine.decoding))
+        step += 1
+    return [requests[i] for i in range(len(schedule))], widest
+
+
+def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(setup):
+    model, factories = setup
+    requests, widest = run_schedule(model, factories, SCHEDULE)
+    assert widest == 3  # rows really decoded side by side (and the 5 later ones joined as others left)
+    for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
+        ids = torch.tensor([prompt(seed, length)])
+        assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
+        assert request.stop.reason == "length" and request.error is None
+    accepted = {kind: sum(s.accepted for s in r.steps) for (kind, *_), r in zip(SCHEDULE, requests)}
+    widest_tree = {kind: max(s.num_nodes for s in r.steps) for (kind, *_), r in zip(SCHEDULE, requests)}
+    assert all(widest_tree[k] > 1 for k in widest_tree if k != "vanilla"), widest_tree  # each drafted in the batch
+    assert all(accepted[k] > 0 for k in ("medusa", "eagle1", "eagle3", "draft", "prompt_lookup")), accepted
+
+
+def test_rows_reading_each_others_cache_are_caught(setup, monkeypatch):
+    """Teeth: every row reads its neighbour's cache row: the outputs are no longer the verifier's."""
+    model, factories = setup
+    monkeypatch.setattr(forwards.StaticKV, "read", lambda self, layer, rows, length: (
+        self.keys[layer, :rows].roll(1, 0)[:, :, :length], self.values[layer, :rows].roll(1, 0)[:, :, :length])
+        if isinstance(rows, int) else (self.keys[layer, rows, :, :length], self.values[layer, rows, :, :length]))
+    requests, _ = run_schedule(model, factories, SCHEDULE[:3])
+    wrong = [r.out != reference(model, torch.tensor([prompt(seed, n)]), max_new_tokens=new, eos_token_id=None)
+             for (_, seed, n, new, _), r in zip(SCHEDULE[:3], requests)]
+    assert any(wrong)
+
+
+SAMPLED = [("medusa", 11, 6, 40, 0), ("eagle1", 12, 9, 40, 0), ("vanilla", 13, 5, 40, 1), ("draft", 14, 7, 40, 2),
+           ("prompt_lookup", 15, 12, 40, 4), ("eagle3", 16, 8, 40, 6)]
+PARAMS = [dict(temperature=0.6), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3), dict(temperature=1.0),
+          dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.8)]
+
+
+def pit_values(model, requests, params, seed: int) -> list[float]:
+    """u = F(x) + U p(x) of every emitted token under the verifier's law given its prefix."""
+    g = torch.Generator().manual_seed(seed)
+    us = []
+    for request, p in zip(requests, params):
+        ids = torch.tensor([request.prompt + request.out])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(request.prompt) - 1: -1]  # (n, V): the law of each emitted token
+        probs = logits_to_probs(logits, p.get("temperature", 1.0), p.get("top_k", 0), p.get("top_p", 1.0))
+        for law, x in zip(probs, request.out):
+            order = torch.argsort(law, descending=True, stable=True)
+            rank = int((order == x).nonzero())
+            us.append(float(law[order[:rank]].sum() + torch.rand((), generator=g, dtype=torch.float64) * law[x]))
+    return us
+
+
+def test_sampled_rows_follow_the_verifier_law_each_with_its_own_parameters(setup):
+    model, factories = setup
+    us = []
+    for run in range(4):
+        gens = [torch.Generator().manual_seed(100 * run + i) for i in range(len(SAMPLED))]
+        requests, widest = run_schedule(model, factories, SAMPLED,
+                                        add_kwargs=lambda i: dict(**PARAMS[i], generator=gens[i]))
+        assert widest == 3
+        us += pit_values(model, requests, PARAMS, seed=run)
+    assert len(us) >= 900
+    assert kstest(us, "uniform").pvalue > 1e-3
+
+
+def seeded_run(model, factories, neighbours: bool, shared: torch.Generator | None = None) -> list[int]:
+    """Request 0 (seed 7, T=1) alone or beside two sampled neighbours -> its tokens."""
+    schedule = [("eagle1", 21, 8, 30, 0)] + ([("medusa", 22, 5, 30, 0), ("draft", 23, 11, 25, 2)] if neighbours else [])
+
+    def kwargs(i):
+        gen = shared if shared is not None else torch.Generator().manual_seed([7, 8, 9][i])
+        return dict(temperature=1.0, generator=gen)
+
+    if shared is not None:
+        shared.manual_seed(7)
+    requests, _ = run_schedule(model, factories, schedule, add_kwargs=kwargs)
+    return requests[0].out
+
+
+def test_a_seeded_request_emits_the_same_tokens_alone_or_beside_others(setup):
+    model, factories = setup
+    alone = seeded_run(model, factories, neighbours=False)
+    assert seeded_run(model, factories, neighbours=True) == alone
+    shared = torch.Generator()  # teeth: one generator for every row, and the neighbours move its draws
+    assert seeded_run(model, factories, neighbours=False, shared=shared) == alone
+    assert seeded_run(model, factories, neighbours=True, shared=shared) != alone
+
+
+class Broken(Proposer):
+    name = "broken"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, root, hidden, ids):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("drafter exploded")
+        return make_proposer("prompt_lookup", num_tokens=2).propose(root, hidden, ids)
+
+
+def test_a_row_whose_proposer_raises_fails_alone(setup):
+    model, factories = setup
+    engine = Engine(model, max_num_seqs=2)
+    good = engine.add(prompt(31, 6), proposer=factories["medusa"](), max_new_tokens=20, eos_token_id=())
+    bad = engine.add(prompt(32, 6), proposer=Broken(), max_new_tokens=20, eos_token_id=())
+    while engine.busy:
+        engine.step()
+    assert isinstance(bad.error, RuntimeError) and bad.stop.reason == "error" and len(bad.out) < 20
+    assert good.error is None and good.out == reference(model, torch.tensor([prompt(31, 6)]), max_new_tokens=20,
+                                                        eos_token_id=None)
+
+
+def test_a_cancelled_row_leaves_at_the_next_step(setup):
+    model, factories = setup
+    engine = Engine(model, max_num_seqs=2)
+    keep = engine.add(prompt(41, 6), proposer=factories["eagle1"](), max_new_tokens=24, eos_token_id=())
+    drop = engine.add(prompt(42, 6), max_new_tokens=24, eos_token_id=())
+    for _ in range(3):
+        engine.step()
+    engine.cancel(drop)
+    finished = engine.step()
+    assert drop in finished and drop.stop.reason == "cancelled" and len(engine.decoding) == 1
+    while engine.busy:
+        engine.step()
+    assert keep.out == reference(model, torch.tensor([prompt(41, 6)]), max_new_tokens=24, eos_token_id=None)

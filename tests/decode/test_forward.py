@@ -1,0 +1,124 @@
+"""decode/forward.py against HF's own forward, logit for logit, on tiny fp64 models of every
+preset family (litgpt-style): a prompt read in chunks, a tree verified over the static cache,
+rows of different lengths batched, the accepted path compacted, a row handed to another."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.decode.engine import batch_inputs, chain_tree
+from draftsmith.decode.forward import FastLlama, HFForward, fast_problem, make_forward
+from draftsmith.decode.proposers import DraftTree
+from draftsmith.decode.tree import path_to
+from draftsmith.models.errors import DraftsmithError
+from tests.decode.test_architectures import FAMILIES, tiny_family
+
+TREE = [-1, 0, 0, 1, 1, 2, 3]  # root, two children, grandchildren on both sides, a great-grandchild
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """HF's next-token logits after `ids`, one plain forward, no cache."""
+    return model(torch.tensor([ids])).logits[0, -1]
+
+
+def run(fwd, model, trees, lens, rows=None):
+    """Verify `trees` (one per row) over cached lengths `lens` -> per row (n, V) logits."""
+    width = max(t.size for t in trees)
+    inputs = batch_inputs(trees, lens, width, "cpu")
+    length = max(lens) + width
+    rows = len(trees) if rows is None else torch.tensor(rows)
+    hidden, _ = fwd(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), rows, length)
+    return [model.lm_head(hidden[b, : t.size]) for b, t in enumerate(trees)]
+
+
+def prefill(fwd, model, prompts, chunk: int, rows=None):
+    """Read each prompt into its cache row in chunks of `chunk` tokens -> last logits per row."""
+    last = [None] * len(prompts)
+    for start in range(0, max(map(len, prompts)), chunk):
+        live = [b for b, p in enumerate(prompts) if start < len(p)]
+        trees = [chain_tree(prompts[b][start: start + chunk], "cpu") for b in live]
+        row_ids = [b if rows is None else rows[b] for b in live]
+        out = run(fwd, model, trees, [start] * len(live), rows=row_ids)
+        for b, logits in zip(live, out):
+            last[b] = logits[-1]
+    return last
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_forward_matches_hf_logit_for_logit(preset, kind):
+    model = tiny_family(preset)
+    fwd = make_forward(model, kind, max_rows=3, max_len=64)
+    assert fwd.name == kind
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (11, 5, 8)]
+    last = prefill(fwd, model, prompts, chunk=4, rows=[0, 1, 2])  # rows of different lengths, chunked
+    for p, logits in zip(prompts, last):
+        torch.testing.assert_close(logits, hf_logits(model, p), rtol=0, atol=1e-10)
+    # one tree per row, verified together; every node's logits are the path's own
+    trees = []
+    for b in range(3):
+        tokens = torch.randint(0, 160, (len(TREE),), generator=g)
+        trees.append(DraftTree(tokens=tokens, parents=torch.tensor(TREE)))
+    out = run(fwd, model, trees, [len(p) for p in prompts])
+    for p, tree, logits in zip(prompts, trees, out):
+        for node in range(tree.size):
+            path = tree.tokens[path_to(TREE, node)].tolist()
+            torch.testing.assert_close(logits[node], hf_logits(model, p + path), rtol=0, atol=1e-10)
+    # compact each row's accepted path (node 0 -> 2 -> 5 for row 0, 0 -> 1 -> 4 for the others), then a step
+    paths = [[0, 2, 5], [0, 1, 4], [0, 1, 4]]
+    order = torch.arange(len(TREE)).repeat(3, 1)
+    for b, path in enumerate(paths):
+        order[b, : len(path)] = torch.tensor(path)
+    fwd.cache.compact(3, torch.tensor([len(p) for p in prompts]), order)
+    grown = [p + trees[b].tokens[paths[b]].tolist() for b, p in enumerate(prompts)]
+    nxt = [chain_tree([7, 9], "cpu") for _ in range(3)]
+    out = run(fwd, model, nxt, [len(p) for p in grown])
+    for p, logits in zip(grown, out):
+        torch.testing.assert_close(logits[1], hf_logits(model, p + [7, 9]), rtol=0, atol=1e-10)
+    # a row handed to another cache row keeps its text
+    fwd.cache.move_row(2, 0, len(grown[2]))
+    (logits,) = run(fwd, model, [chain_tree([3], "cpu")], [len(grown[2])])
+    torch.testing.assert_close(logits[0], hf_logits(model, grown[2] + [3]), rtol=0, atol=1e-10)
+
+
+def test_fast_forward_captures_the_layers_hf_returns():
+    model = tiny_family("smollm2-135m")
+    fwd = make_forward(model, "fast", max_rows=1, max_len=32)
+    ids = [5, 9, 14, 3, 8]
+    inputs = batch_inputs([chain_tree(ids, "cpu")], [0], len(ids), "cpu")
+    _, captured = fwd(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(len(ids)), 1, len(ids),
+                      [0, 1])
+    ref = model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [embed, layer 0, layer 1 (normed)]
+    torch.testing.assert_close(captured[0], torch.cat([ref[1][0], ref[2][0]], dim=-1), rtol=0, atol=1e-12)
+
+
+def test_a_broken_forward_fails_the_comparison(monkeypatch):
+    """Teeth: rotary positions doubled (a uniform shift would not show: rotary is relative), or every
+    row in one cache row, and the logits move."""
+    model = tiny_family("llama2-7b")
+    prompts = [[5, 9, 14, 3, 8, 2], [7, 7, 1]]
+    fwd = make_forward(model, "fast", max_rows=2, max_len=32)
+    good = prefill(fwd, model, prompts, chunk=8)
+    torch.testing.assert_close(good[1], hf_logits(model, prompts[1]), rtol=0, atol=1e-10)
+    rope = FastLlama.rope
+    monkeypatch.setattr(FastLlama, "rope", lambda self, positions, dtype: rope(self, positions * 2, dtype))
+    shifted = prefill(make_forward(model, "fast", max_rows=2, max_len=32), model, prompts, chunk=8)
+    assert (shifted[1] - good[1]).abs().max() > 1e-3
+    monkeypatch.undo()
+    from draftsmith.decode import forward as forwards
+
+    monkeypatch.setattr(forwards, "row_index", lambda rows, like: torch.zeros_like(like))  # every row in cache row 0
+    mixed = prefill(make_forward(model, "fast", max_rows=2, max_len=32), model, prompts, chunk=8)
+    assert (mixed[1] - good[1]).abs().max() > 1e-3
+
+
+def test_an_unsupported_family_is_refused_for_fast_and_served_by_hf():
+    model = tiny_family("mistral-7b-instruct", sliding_window=8)
+    assert "sliding_window" in fast_problem(model)
+    with pytest.raises(DraftsmithError, match=r"engine.forward=fast: config.sliding_window=8 .*use engine.forward=hf"):
+        make_forward(model, "fast", max_rows=1, max_len=16)
+    with pytest.raises(DraftsmithError, match="engine.forward='nope' is not known; valid: auto, fast, hf"):
+        make_forward(model, "nope", max_rows=1, max_len=16)
+    assert isinstance(make_forward(tiny_family("llama2-7b"), "auto", max_rows=1, max_len=16), FastLlama)
+    assert isinstance(make_forward(tiny_family("llama2-7b"), "hf", max_rows=1, max_len=16), HFForward)
