@@ -199,6 +199,12 @@ class DraftModelProposer(Proposer):
     def seed_draws(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
+    def fork(self) -> "DraftModelProposer":
+        twin = super().fork()
+        twin.generator = torch.Generator(device=self.device)
+        twin.generator.set_state(self.generator.get_state())  # its own stream, never the same object
+        return twin
+
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams) -> None:
         """A fresh draft cache; the prompt is fed with the first root in the first ``propose``
         (one draft forward fewer than a separate prefill)."""

@@ -48,6 +48,7 @@ from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from draftsmith.decode import sampling
+from draftsmith.decode.budget import FixedBudget
 from draftsmith.decode.cache import check_compactable, new_cache
 from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree, Proposer, VanillaProposer
@@ -204,7 +205,7 @@ class Engine:
     model: the HF causal LM (or a models.verifier.Verifier). max_num_seqs: rows decoded
     together. max_len: cache slots per row (prompt + new tokens + one tree; grown when a row
     needs more). forward: fast | hf | auto (decode/forward.py). prefill_chunk: prompt tokens
-    read per step in all. budget: a decode.budget policy (None = every proposer's full tree).
+    read per step in all. budget: a decode.budget policy (None = fixed: every proposer's whole tree).
     """
 
     def __init__(self, model, *, max_num_seqs: int = 1, max_len: int = 1024, forward: str = "auto",
@@ -221,7 +222,9 @@ class Engine:
         if self.forward.name == "hf" and getattr(model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
             raise DraftsmithError(f"attn_implementation={model.config._attn_implementation!r} cannot take the engine's "
                                   f"4D masks; load the verifier with attn_implementation='sdpa'")
-        self.max_num_seqs, self.prefill_chunk, self.budget = max_num_seqs, prefill_chunk, budget
+        self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.budget = FixedBudget() if budget is None else budget
+        self.last_step: dict = {}  # the last decoding step: rows, width, rows that drafted, verify seconds
         self.decoding: list[Request] = []  # cache rows 0..B-1, in this order
         self.prefilling: list[Request] = []  # rows reading their prompt (top cache rows)
         self.waiting: list[Request] = []  # not yet given a cache row
@@ -318,12 +321,14 @@ class Engine:
     def _decode(self) -> None:
         rows = self.decoding
         t0 = time.perf_counter()
-        budgets = self.budget.choose(rows) if self.budget is not None else [None] * len(rows)
-        trees, proposed = [], []
+        budgets = self.budget.choose(rows)
+        trees, proposed, propose_s = [], [], []
         for request, budget in zip(rows, budgets):
+            t = time.perf_counter()
             tree, ran = self._propose(request, budget)
             trees.append(tree)
             proposed.append(ran)
+            propose_s.append(time.perf_counter() - t)
         sync_device(self.device)
         t1 = time.perf_counter()
         width = width_bucket(max(t.size for t in trees))
@@ -362,8 +367,8 @@ class Engine:
             request.steps[-1] = StepStats(num_nodes=tree.size, accepted=len(path) - 1,
                                           emitted=request.steps[-1].emitted, time_s=t3 - t0, propose_s=t1 - t0,
                                           verify_s=t2 - t1, accept_s=t3 - t2)
-        if self.budget is not None:
-            self.budget.observe(rows, trees, [len(p) - 1 for p, _ in results], inputs.tokens.numel(), t2 - t1)
+        self.budget.observe(rows, trees, [len(p) - 1 for p, _ in results], inputs.tokens.numel(), t2 - t1, propose_s)
+        self.last_step = {"rows": len(rows), "width": width, "drafting": sum(proposed), "verify_s": t2 - t1}
 
     def _propose(self, request: Request, budget: int | None) -> tuple[DraftTree, bool]:
         """The row's tree for this step, cut to `budget` drafted nodes (0: the root alone, the
@@ -375,7 +380,7 @@ class Engine:
         except Exception as e:  # this request fails alone, naming the cause; the batch goes on
             request.error, request.stop.reason, request.done = e, "error", True
             return root_tree(request.root, self.device), False
-        if budget is not None and tree.size > budget + 1:
+        if budget is not None and tree.size > budget + 1 and getattr(request.proposer, "cuttable", True):
             tree = truncate(tree, budget + 1)
         return tree, True
 

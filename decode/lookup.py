@@ -213,6 +213,11 @@ class PromptLookupGraft(Proposer):
     def seed_draws(self, seed: int) -> None:
         self.inner.seed_draws(seed)
 
+    def fork(self) -> "PromptLookupGraft":
+        twin = super().fork()
+        twin.inner = self.inner.fork()
+        return twin
+
     def prefill(self, prompt_ids: torch.Tensor, hidden: torch.Tensor, sampling: SamplingParams, **extra) -> None:
         self.active = not self.grafts_nothing(sampling)
         self.inner.prefill(prompt_ids, hidden, sampling, **extra)
@@ -253,6 +258,8 @@ class LookaheadProposer(Proposer):
     """
 
     name = "lookahead"
+
+    cuttable = False  # accept reads the Jacobi cells of the whole tree
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ keeps state: a draft model's or EAGLE's own KV cache is rolled back to the accep
 ``buffers=None``; the engine then builds the mask from ``parents``.
 """
 
+import copy
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Proposer:
     """Base class: the hooks a proposer may implement (see the module docstring)."""
 
     name: str = "base"
+    cuttable: bool = True  # the engine may verify only a prefix of its trees (False: its accept reads every node)
 
     @property
     def max_depth(self) -> int:
@@ -103,6 +105,12 @@ class Proposer:
 
     def seed_draws(self, seed: int) -> None:
         """Reseed the proposer's own draws for the next call (only when ``samples_drafts``)."""
+
+    def fork(self) -> "Proposer":
+        """A proposer for another sequence decoded at the same time (a server's rows): it shares
+        what is read only (the drafter's weights, trees, datastores) and owns its state, which
+        ``prefill`` sets up; a proposer holding more (its own generator) copies that too."""
+        return copy.copy(self)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         """The tree to verify this step; hidden (H,) is the verifier's state before the root."""

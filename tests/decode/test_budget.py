@@ -1,0 +1,121 @@
+"""decode/budget.py: the load-aware policy speculates while verification is nearly free and
+steps aside as the batch grows; whatever it chooses (rows skipping their proposer, trees cut),
+every row stays its own greedy output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.decode.budget import AdaptiveBudget, FixedBudget, StepCost, make_budget
+from draftsmith.decode.engine import Engine
+from draftsmith.decode.forward import make_forward
+from draftsmith.decode.proposers import DraftTree
+from draftsmith.models.errors import DraftsmithError
+from tests.decode.test_engine_batch import SCHEDULE, prompt, run_schedule, setup  # noqa: F401 (fixture)
+from tests.decode.test_engine import reference
+
+
+def bandwidth_bound(knee: int) -> StepCost:
+    """A forward that costs the same up to `knee` tokens (reading the weights), then grows linearly."""
+    return StepCost({n: 0.01 * max(1.0, n / knee) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
+
+
+class Row:  # a request as the policy sees it (a weakref-able key)
+    pass
+
+
+def taught(policy: AdaptiveBudget, rows, accept: float, depth: int = 7, propose_s: float = 0.0005):
+    """Give each row a history: trees of `depth` nodes in a chain, each depth accepted w.p. `accept`."""
+    chain = DraftTree(tokens=torch.zeros(depth + 1, dtype=torch.long), parents=torch.arange(-1, depth))
+    for _ in range(50):
+        accepted = [int(sum(torch.rand(depth).cumprod(0) * 0 + (torch.rand(depth) < accept).cumprod(0)))
+                    for _ in rows]
+        policy.observe(rows, [chain] * len(rows), accepted, len(rows), 0.01, [propose_s] * len(rows))
+    policy.cost.scale = 1.0  # (observe moved it; the test sets the machine)
+
+
+def test_step_cost_interpolates_and_follows_the_observed_steps():
+    cost = StepCost({1: 0.010, 4: 0.012, 16: 0.024})
+    assert cost(1) == pytest.approx(0.010) and cost(4) == pytest.approx(0.012)
+    assert 0.012 < cost(8) < 0.024 and cost(32) == pytest.approx(0.048)  # beyond: linear in n
+    for _ in range(100):
+        cost.observe(4, 0.024)  # this machine is twice as slow as calibrated
+    assert cost(4) == pytest.approx(0.024, rel=1e-3) and cost(16) == pytest.approx(0.048, rel=1e-3)
+
+
+def test_speculates_at_low_load_and_steps_aside_as_the_batch_grows():
+    widths = []
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        policy = AdaptiveBudget(bandwidth_bound(knee=16))
+        rows = [Row() for _ in range(batch)]
+        taught(policy, rows, accept=0.7)
+        width, draft = policy.plan(rows)
+        widths.append(width)
+        assert (width == 1) == (not any(draft))
+    assert widths[0] >= 8 and widths[-1] == 1, widths  # the whole tree alone; plain decoding at saturation
+    assert widths == sorted(widths, reverse=True), widths  # never wider as the load grows
+
+
+def test_a_row_that_never_accepts_stops_drafting():
+    policy = AdaptiveBudget(bandwidth_bound(knee=16))
+    good, bad = Row(), Row()
+    taught(policy, [good], accept=0.8)
+    taught(policy, [bad], accept=0.0)
+    width, draft = policy.plan([good, bad])
+    assert width > 1 and draft == [True, False]
+
+
+def test_expensive_verification_means_plain_decoding():
+    policy = AdaptiveBudget(StepCost({n: 0.01 * n for n in (1, 2, 4, 8, 16, 32)}))  # every token costs a step
+    rows = [Row()]
+    taught(policy, rows, accept=0.5)
+    assert policy.plan(rows) == (1, [False])
+    assert policy.choose(rows) == [0] and policy.counts[1] == 1
+
+
+def test_the_policy_name_is_an_explicit_key(setup):  # noqa: F811
+    model, _ = setup
+    forward = make_forward(model, "fast", max_rows=2, max_len=128)
+    assert isinstance(make_budget("fixed"), FixedBudget)
+    policy = make_budget("adaptive", forward, max_num_seqs=2)
+    assert sorted(policy.cost.points) == [1, 2, 4, 8, 16, 32, 64] and all(t > 0 for t in policy.cost.points.values())
+    with pytest.raises(DraftsmithError, match="engine.budget='greedy' is not known; valid: adaptive, fixed"):
+        make_budget("greedy")
+
+
+class Alternating:
+    """A scripted policy: rows skip their proposer every other step, and trees are cut to 2 nodes."""
+
+    name = "alternating"
+
+    def __init__(self):
+        self.steps, self.counts = 0, {}
+
+    def choose(self, rows):
+        self.steps += 1
+        return [0 if (self.steps + i) % 2 else 2 for i in range(len(rows))]
+
+    def observe(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("policy", ["alternating", "adaptive"])
+def test_every_row_stays_its_own_greedy_output_whatever_the_budgets(setup, policy):  # noqa: F811
+    model, factories = setup
+    engine_budget = Alternating() if policy == "alternating" else AdaptiveBudget(bandwidth_bound(knee=4))
+    original = Engine.__init__
+
+    def with_policy(self, *args, **kwargs):
+        original(self, *args, **kwargs, budget=engine_budget)
+
+    try:
+        Engine.__init__ = with_policy
+        requests, widest = run_schedule(model, factories, SCHEDULE)
+    finally:
+        Engine.__init__ = original
+    for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
+        ids = torch.tensor([prompt(seed, length)])
+        assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), (policy, kind)
+    plain = [s for r in requests for s in r.steps if s.num_nodes == 1]
+    drafted = [s for r, (k, *_) in zip(requests, SCHEDULE) for s in r.steps if s.num_nodes > 1 and k != "vanilla"]
+    assert plain and drafted  # rows really skipped their proposer on some steps and drafted on others
