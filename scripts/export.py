@@ -29,10 +29,12 @@ from draftsmith.models.checkpoint import MEDUSA2_PARTS, load_drafter, write_atom
 from draftsmith.models.draft import DRAFT_VOCAB_FILE
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.gguf import export_gguf
 from draftsmith.models.layouts import (VLLM_CHECKED, engine_config, engine_fusion_order, speculators_config,
                                        vllm_method)
 
-FORMATS = {"vllm": "vLLM", "speculators": "vLLM (speculators format)", "sglang": "SGLang", "hf": "HF transformers"}
+FORMATS = {"vllm": "vLLM", "speculators": "vLLM (speculators format)", "sglang": "SGLang", "hf": "HF transformers",
+           "gguf": "llama.cpp"}  # gguf: models/gguf.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -155,6 +157,8 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError("drafter= is required: a drafter folder (e.g. outputs/eagle3-smollm2-135m/final)")
     drafter = load_drafter(cfg.drafter)
     kind, module, config, meta = drafter
+    if fmt == "gguf":  # the verifier and the drafter as llama.cpp GGUF files
+        return export_gguf(cfg, drafter)
     fingerprint = meta.get("verifier_fingerprint")
     if fmt == "speculators" and not (kind == "eagle" and config.variant == "eagle3"):
         name = "a draft model" if kind == "draft" else "Medusa heads" if kind == "medusa" else "an EAGLE-1 drafter"
