@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.gguf import LlamaCppError, llamacpp_server
+from draftsmith.models.gguf import OUTTYPES, LlamaCppError, llamacpp_server
 
 
 def free_port() -> int:
@@ -128,10 +128,12 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def complete(self, ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> Completion:
-        """One greedy completion of the prompt `ids` (token ids, fed as they are)."""
+    def complete(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False,
+                 timeout: float = 600.0) -> Completion:
+        """One greedy completion of the prompt `ids` (token ids, fed as they are). ignore_eos: llama.cpp
+        then never picks an end-of-generation token (its logit is masked), so it writes max_new_tokens."""
         body = {"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0.0,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
+                "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": bool(ignore_eos)}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -149,7 +151,8 @@ class LlamaServer:
                           prompt_ms=float(timings.get("prompt_ms", 0.0)), wall_s=wall,
                           stop_type=str(res.get("stop_type", "")))
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, clients: int = 1) -> RunResult:
+    def run(self, prompts: list[list[int]], max_new_tokens: int, clients: int = 1,
+            ignore_eos: bool = False) -> RunResult:
         """All prompts, `clients` requests in flight at a time (in prompt order per client)."""
         results: list[Completion | None] = [None] * len(prompts)
         errors: list[BaseException] = []
@@ -163,7 +166,7 @@ class LlamaServer:
                 if i is None or errors:
                     return
                 try:
-                    results[i] = self.complete(prompts[i], max_new_tokens)
+                    results[i] = self.complete(prompts[i], max_new_tokens, ignore_eos)
                 except BaseException as e:  # reported after the join
                     errors.append(e)
 
@@ -176,6 +179,69 @@ class LlamaServer:
         if errors:
             raise errors[0]
         return RunResult(completions=results, clients=clients, wall_s=time.perf_counter() - t0)
+
+
+EXACT_F32 = ["-fa", "off", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]  # models.gguf.serve_command
+
+
+def bench_rows(model_overrides: list[str], drafters: dict[str, str], prompts: list[list[int]], max_new_tokens: int,
+               out_dir: str | Path, dtypes: tuple[str, ...] = ("float32", "bfloat16"), k: int = 3,
+               clients: tuple[int, ...] = (1,), threads: int = 2, ngram: str | None = "ngram-simple",
+               log=print) -> list[dict]:
+    """llama.cpp's rows for a peer benchmark (scripts/bench_peers.py's row dicts: engine, row, batch,
+    tokens, seconds, tau; `error` for a drafter llama.cpp cannot run): for each dtype, plain decoding
+    and each drafter (exported with scripts/export.py format=gguf into out_dir/gguf-<dtype>/<name>,
+    drafting k tokens a step) at every concurrency in `clients` (one server with -np N; batch = N,
+    wall time of all prompts), plus llama.cpp's own n-gram proposer. Greedy with EOS ignored (every
+    row writes max_new_tokens; llama.cpp masks the EOS logit where draftsmith writes EOS and goes on,
+    so texts compare within an engine, not across). f32 rows run with f32 KV caches, no flash attention."""
+    from draftsmith.models.entry import compose_main
+    from scripts.export import run as export
+
+    rows = []
+    for dtype in dtypes:
+        out = Path(out_dir) / f"gguf-{dtype}"
+        engine = f"llama.cpp ({OUTTYPES[dtype]})"
+        exact = EXACT_F32 if dtype == "float32" else []
+        exports, verifier_gguf = {}, None
+        for name, path in drafters.items():
+            try:
+                r = export(compose_main("export", model_overrides + [f"drafter={path}", "format=gguf",
+                                                                     f"dtype={dtype}", f"output_dir={out / name}"]))
+            except DraftsmithError as e:
+                rows.append({"engine": engine, "row": f"+ {name}", "batch": 1, "error": f"export refused: {e}"})
+                continue
+            spec = {"eagle3": "draft-eagle3", "draft": "draft-simple"}[r["kind"]]
+            exports[name] = (out / name / "drafter.gguf", spec)
+            verifier_gguf = out / name / "verifier.gguf"
+        if verifier_gguf is None:  # no drafter to export: the verifier alone
+            from draftsmith.models.gguf import convert_lm
+            from draftsmith.models.verifier import resolve_path
+
+            out.mkdir(parents=True, exist_ok=True)
+            verifier_gguf = convert_lm(Path(resolve_path(compose_main("export", model_overrides).model)),
+                                       out / "verifier.gguf", OUTTYPES[dtype])
+        setups = [("plain", None, None)] + [(f"+ {n}", p, s) for n, (p, s) in exports.items()]
+        if ngram:
+            setups.append((ngram, None, ngram))
+        for row, draft, spec in setups:
+            for n in clients:
+                argv = server_argv(verifier_gguf, draft, spec, k, parallel=n, threads=threads, args=exact)
+                try:
+                    with LlamaServer(argv, log=out / f"server-{row.strip('+ ')}-{n}.log") as server:
+                        server.run(prompts[:1], min(8, max_new_tokens), 1)  # warm-up
+                        r = server.run(prompts, max_new_tokens, n, ignore_eos=True)
+                except LlamaCppError as e:
+                    rows.append({"engine": engine, "row": row, "batch": n, "error": str(e)})
+                    continue
+                seconds = sum(c.wall_s for c in r.completions) if n == 1 else r.wall_s
+                rows.append({"engine": engine, "row": row, "batch": n, "tokens": [c.tokens for c in r.completions],
+                             "seconds": seconds, "tau": r.tau if spec else None,
+                             "draft_n": sum(c.draft_n for c in r.completions),
+                             "draft_n_accepted": sum(c.draft_n_accepted for c in r.completions)})
+                log(f"bench: {engine} {row} N={n}: {sum(len(c.tokens) for c in r.completions) / seconds:.1f} tok/s"
+                    + (f", tau {r.tau:.2f}" if spec else ""))
+    return rows
 
 
 def prompt_token_ids(data: str, num_prompts: int | None, tokenizer_dir: str | Path) -> list[list[int]]:

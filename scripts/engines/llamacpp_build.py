@@ -107,7 +107,8 @@ def ensure_built(log=print, jobs: int | None = None) -> Path:
             raise LlamaCppError(f"llama.cpp: the built {llamacpp_server()} does not run (exit {probe.returncode}): "
                                 f"{(probe.stderr or probe.stdout).strip()[-300:]}")
         info = {"version": LLAMACPP_VERSION, "sdist_sha256": LLAMACPP_SDIST_SHA256, "flags": flags,
-                "binary": str(llamacpp_server()), "server_version": (probe.stderr + probe.stdout).strip().splitlines()[0:2]}
+                "binary": str(llamacpp_server()),
+                "server_version": (probe.stderr + probe.stdout).strip().splitlines()[0:2]}
         write_atomic_text(llamacpp_home() / "BUILT", json.dumps(info, indent=2) + "\n")
         log(f"llama.cpp: built {llamacpp_server()}")
     return llamacpp_server()

@@ -26,7 +26,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 import draftsmith.models.gguf as gguf_export
