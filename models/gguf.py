@@ -129,6 +129,28 @@ def ensure_llamacpp_source(log=print) -> Path:
 # Whole LMs (the verifier, a draft model): llama.cpp's own converter
 
 
+def _with_architectures(hf_dir: Path, staged: Path) -> Path:
+    """hf_dir, or (its config.json names no `architectures`, as the folder transformers saves from
+    a GGUF does, e.g. draftsmith's converted SmolLM2) a staged copy of it whose config.json names the
+    causal-LM class of its model_type: the converter picks its model class by that name only."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if config.get("architectures"):
+        return hf_dir
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    if arch is None:
+        raise DraftsmithError(f"{hf_dir}/config.json names no architectures and model_type "
+                              f"{config.get('model_type')!r} is no causal LM transformers knows; add \"architectures\"")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    for f in hf_dir.iterdir():
+        if f.name != "config.json":
+            (staged / f.name).symlink_to(f.resolve())
+    (staged / "config.json").write_text(json.dumps({**config, "architectures": [arch]}, indent=2))
+    return staged
+
+
 def convert_lm(hf_dir: Path, out: Path, outtype: str, log=print) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on an HF causal-LM folder (weights + tokenizer) -> out.
     It reads every architecture and tokenizer llama.cpp knows (the pre-tokenizer by the hash of
@@ -140,9 +162,14 @@ def convert_lm(hf_dir: Path, out: Path, outtype: str, log=print) -> Path:
         raise DraftsmithError("format=gguf runs llama.cpp's converter, which needs sentencepiece: "
                               "pip install sentencepiece") from None
     converter = ensure_llamacpp_source(log) / "convert_hf_to_gguf.py"
-    cmd = [sys.executable, str(converter), str(hf_dir), "--outtype", outtype, "--outfile", str(out)]
+    staged = out.with_name(f".{out.name}.hf")
+    source = _with_architectures(Path(hf_dir), staged)
+    cmd = [sys.executable, str(converter), str(source), "--outtype", outtype, "--outfile", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py, not PyPI's
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     if proc.returncode != 0 or not out.is_file():
         tail = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()][-3:]
         raise DraftsmithError(f"llama.cpp's converter failed on {hf_dir} (exit {proc.returncode}): "

@@ -53,24 +53,39 @@ def _fields(path):
     return fields, tensors
 
 
+@pytest.fixture(scope="module")
+def verifier_ggufs(llamacpp_verifier, tmp_path_factory):
+    """outtype -> the words verifier converted by llama.cpp's converter (what format=gguf writes beside the drafter)."""
+    from draftsmith.models.gguf import convert_lm
+
+    folder = tmp_path_factory.mktemp("verifier-gguf")
+    return {t: convert_lm(llamacpp_verifier, folder / f"verifier-{t}.gguf", t) for t in ("f32", "bf16")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lm_head,dtype,nbr", [("own", "float32", False), ("gathered", "bfloat16", True)])
-def test_eagle3_gguf_is_what_llamacpp_converter_writes(llamacpp_verifier, tmp_path, lm_head, dtype, nbr):
-    """The same drafter two ways: our writer (format=gguf) and llama.cpp's convert_hf_to_gguf.py on
-    our vLLM export: every eagle3.* / tokenizer.* key and every tensor (q/k permutation, d2t as
+def test_eagle3_gguf_is_what_llamacpp_converter_writes(llamacpp_verifier, verifier_ggufs, tmp_path, lm_head, dtype,
+                                                       nbr):
+    """The same drafter two ways: our writer (what format=gguf runs) and llama.cpp's convert_hf_to_gguf.py
+    on our vLLM export: every eagle3.* / tokenizer.* key and every tensor (q/k permutation, d2t as
     absolute ids, bf16 rounding) must be identical."""
+    from draftsmith.models.checkpoint import load_drafter
+    from draftsmith.models.gguf import OUTTYPES, write_eagle3
+
     drafter = _eagle3(llamacpp_verifier, tmp_path / "drafter", lm_head=lm_head, nbr=nbr)
-    ours = _export(llamacpp_verifier, drafter, tmp_path / "gguf", "gguf", dtype)
-    assert ours["kind"] == "eagle3" and "--spec-type draft-eagle3" in ours["serve"]
+    outtype = OUTTYPES[dtype]
+    _, module, config, _ = load_drafter(drafter)
+    lm = AutoModelForCausalLM.from_pretrained(llamacpp_verifier).lm_head.weight.detach() if lm_head == "gathered" \
+        else None
+    ours = write_eagle3(tmp_path / "drafter.gguf", module.float(), config, verifier_ggufs[outtype], outtype, lm)
     _export(llamacpp_verifier, drafter, tmp_path / "vllm", "vllm", dtype)
     theirs = tmp_path / "converted.gguf"
     converter = ensure_llamacpp_source() / "convert_hf_to_gguf.py"
-    outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     proc = subprocess.run([sys.executable, str(converter), str(tmp_path / "vllm"), "--target-model-dir",
                            str(llamacpp_verifier), "--outtype", outtype, "--outfile", str(theirs)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    f_ours, t_ours = _fields(tmp_path / "gguf" / "drafter.gguf")
+    f_ours, t_ours = _fields(ours)
     f_theirs, t_theirs = _fields(theirs)
     assert f_ours.keys() == f_theirs.keys()
     for key in f_ours:
@@ -140,3 +155,23 @@ def test_what_llamacpp_cannot_run_is_refused_in_one_line(llamacpp_verifier, tmp_
     else:
         assert "float32" in message and "bfloat16" in message
     assert not (tmp_path / "gguf").exists()
+
+
+def test_a_verifier_folder_without_architectures_converts(llamacpp_verifier, verifier_ggufs, tmp_path):
+    """transformers saves a model loaded from a GGUF (draftsmith's converted SmolLM2) with no
+    `architectures` in config.json, by which alone llama.cpp's converter picks its model class."""
+    import json
+    import shutil
+
+    from draftsmith.models.gguf import convert_lm
+
+    folder = tmp_path / "verifier"
+    shutil.copytree(llamacpp_verifier, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = convert_lm(folder, tmp_path / "verifier.gguf", "f32")
+    assert not (tmp_path / ".verifier.gguf.hf").exists()  # the staged copy is gone
+    (f_new, t_new), (f_ref, t_ref) = _fields(out), _fields(verifier_ggufs["f32"])
+    assert f_new == f_ref and t_new.keys() == t_ref.keys()  # what the folder with architectures gives
+    assert all(np.array_equal(t_new[k][2], t_ref[k][2]) for k in t_new)
