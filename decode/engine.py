@@ -172,6 +172,7 @@ class Request:
     on_tokens: Callable[[list[int]], bool | None] | None = None
     capture: tuple[int, ...] = ()  # verifier layers whose states the proposer needs (EAGLE-3)
     cancel_requested: bool = False  # Engine.cancel: stop at the next step
+    noise: sampling.PositionNoise | None = None  # acceptance=coupled: the request's position-keyed noise
     # progress
     row: int = -1  # cache row
     cache_len: int = 0  # tokens in the cache (the root never is)
@@ -252,6 +253,9 @@ class Engine:
                           stop=_stop_checker(self.model, max_new_tokens, eos_token_id, stop_strings, tokenizer),
                           generator=generator, on_tokens=on_tokens, capture=tuple(_feature_layers(proposer, self.model)),
                           ids=list(prompt), t_start=time.perf_counter())
+        if rule_name in sampling.NOISE_RULES:  # one draw from the request's generator seeds every position
+            device = generator.device if generator is not None else "cpu"
+            request.noise = sampling.PositionNoise(int(torch.randint(2**62, (), generator=generator, device=device)))
         self._reserve(request, len(prompt) + max_new_tokens)
         with self.lock:
             self.waiting.append(request)
@@ -260,6 +264,11 @@ class Engine:
     def cancel(self, request: Request) -> None:
         """Stop a request at the next step (stop_reason "cancelled"); its row is freed."""
         request.cancel_requested = True
+
+    def reset(self) -> None:
+        """Drop every row (after a failed step): the engine is empty and can take new requests."""
+        with self.lock:
+            self.decoding, self.prefilling, self.waiting, self.finished = [], [], [], []
 
     @property
     def busy(self) -> bool:
@@ -346,7 +355,8 @@ class Engine:
         for b, (request, tree) in enumerate(zip(rows, trees)):
             n = tree.size
             rule = sampling.get_rule(request.rule_name)  # looked up per call, so a test can swap a rule in
-            path, next_token = rule(tree, logits[start:start + n], request.params, request.generator)
+            randomness = request.noise.at(len(request.ids)) if request.noise is not None else request.generator
+            path, next_token = rule(tree, logits[start:start + n], request.params, randomness)
             start += n
             order[b, : len(path)] = torch.as_tensor(path, device=self.device)
             results.append((path, next_token))
@@ -440,7 +450,8 @@ class Engine:
         hidden = torch.cat(request.prompt_hidden)  # (T, H)
         extra = {"layer_hidden": torch.cat(request.prompt_layers)} if request.capture else {}
         request.prompt_hidden, request.prompt_layers = [], []
-        first = _first_token(self.lm_head(hidden[-1]), request.rule_name, request.params, request.generator)
+        first = _first_token(self.lm_head(hidden[-1]), request.rule_name, request.params,
+                             request.noise.at(len(request.prompt)) if request.noise is not None else request.generator)
         samples = getattr(request.proposer, "samples_drafts", None)  # a duck-typed proposer may lack the hook
         try:
             if samples is not None and samples(request.params):  # the draft's own draws follow the request's generator
@@ -587,7 +598,9 @@ def generate(
       temperature: 0 = greedy. > 0 samples from logits_to_probs(logits, temperature, top_k,
         top_p) (top_k=0 and top_p=1 disable those; note HF's generate defaults top_k=50).
       acceptance: "auto" (greedy if temperature == 0 else rejection), "greedy", "rejection"
-        (recursive rejection sampling, lossless), or "typical" (Medusa, LOSSY: sets lossy).
+        (recursive rejection sampling, lossless), "coupled" (lossless, and the tokens plain
+        sampling with the same generator's seed emits, whatever the drafts: sampling.coupled_walk),
+        or "typical" (Medusa, LOSSY: sets lossy).
       eos_token_id: int or list; None = ``model.generation_config.eos_token_id``; () = none.
         Generation stops after the first EOS, which is included, as in HF generate.
       stop_strings / tokenizer: stop after the token that completes a stop string (HF's
@@ -624,7 +637,7 @@ def generate(
             while engine.busy:
                 engine.step()
     finally:
-        engine.waiting, engine.prefilling, engine.decoding = [], [], []
+        engine.reset()
         engine.in_use = False
     if request.error is not None:
         raise request.error
@@ -641,6 +654,9 @@ def sync_device(device: torch.device) -> None:
 
 def _first_token(logits: torch.Tensor, rule_name: str, params: SamplingParams, generator) -> int:
     """The token after the prompt from its last logits (V,), as the verifier alone picks it."""
+    if rule_name == "coupled":  # generator: the request's PositionNoise at the first position
+        probs = sampling.logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (V,)
+        return sampling.coupled_sample(probs, generator.gumbel(0, probs.shape[-1], probs.device))
     if rule_name == "rejection":
         probs = sampling.logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (V,)
         return sampling.sample(probs, generator)  # float64 inverse CDF

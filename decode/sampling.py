@@ -337,6 +337,59 @@ def _greedy_rule(tree, logits, params, generator):
     return greedy_walk(tree.tokens, tree.parents, logits)
 
 
+class PositionNoise:
+    """Gumbel noise keyed by (a request's seed, the position of the token it draws): the
+    randomness of coupled sampling. Position t's noise is the same whatever was drafted, however
+    many tokens a step verified and whoever shared the batch, so the tokens are too."""
+
+    def __init__(self, seed: int, base: int = 0):
+        self.seed, self.base = int(seed), int(base)
+
+    def at(self, base: int) -> "PositionNoise":
+        """The noise of the positions from `base` on (a tree whose depth-0 node predicts position `base`)."""
+        return PositionNoise(self.seed, base)
+
+    def gumbel(self, depth: int, vocab: int, device) -> torch.Tensor:
+        """(vocab,) float64 Gumbel(0, 1) noise of position base + depth."""
+        position = self.base + depth
+        g = torch.Generator(device="cpu").manual_seed((self.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+        u = torch.rand(vocab, dtype=torch.float64, generator=g)
+        return (-torch.log(-torch.log(u.clamp_min(1e-300)))).to(device)
+
+
+def coupled_sample(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """argmax of log p + Gumbel noise over the tokens with mass: an exact draw from probs (V,)."""
+    return int(torch.where(probs > 0, probs.log() + noise, float("-inf")).argmax())
+
+
+def coupled_walk(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                 noise: PositionNoise) -> tuple[list[int], int]:
+    """Lossless coupled sampling over a tree: the token after node u is the Gumbel-max draw of
+    its target law with the noise of its position (its depth); a child is accepted iff it IS
+    that token. Each position's token is an exact draw from the verifier's law (Gumbel-max),
+    with noise independent across positions, so the output law is the verifier's; and it is the
+    very token plain sampling with the same seed emits, whatever the drafts (a deterministic
+    draft x is accepted with probability p(x), as in recursive rejection sampling).
+
+    tokens (n,), parents (n,), target_probs (n, V) float64 (logits_to_probs)."""
+    parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+    anc = ancestor_mask(parents).to(tokens.device)
+    depths = (anc.sum(dim=-1) - 1).tolist()
+    vocab = target_probs.shape[-1]
+    noise_at = {d: noise.gumbel(d, vocab, target_probs.device) for d in sorted(set(depths))}
+    drawn = torch.tensor([coupled_sample(target_probs[u], noise_at[d]) for u, d in enumerate(depths)],
+                         device=tokens.device)  # (n,) the token each node's law draws next
+    ok = torch.ones_like(tokens, dtype=torch.bool)
+    ok[1:] = tokens[1:] == drawn[parents[1:]]
+    last = _best_accepted_node(anc, ok)
+    return path_to(parents, last), int(drawn[last])
+
+
+def _coupled_rule(tree, logits, params, noise: PositionNoise):
+    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (n, V) float64
+    return coupled_walk(tree.tokens, tree.parents, probs, noise)
+
+
 def _rejection_rule(tree, logits, params, generator):
     probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (n, V) float64
     return rejection_walk(tree.tokens, tree.parents, probs, tree.draft_probs, tree.sampled, generator)
@@ -350,8 +403,10 @@ def _typical_rule(tree, logits, params, generator):
 ACCEPTANCE_RULES: dict[str, Callable[..., tuple[list[int], int]]] = {
     "greedy": _greedy_rule,
     "rejection": _rejection_rule,
+    "coupled": _coupled_rule,  # draws from PositionNoise (the engine passes it as the generator)
     "typical": _typical_rule,
 }
+NOISE_RULES = {"coupled"}  # rules whose randomness is keyed by position, not a generator stream
 LOSSY_RULES = {"typical"}
 
 
@@ -363,7 +418,7 @@ def resolve_rule(acceptance: str, params: SamplingParams) -> str:
         return "greedy" if params.greedy else "rejection"
     if acceptance == "greedy" and not params.greedy:
         raise DraftsmithError("acceptance=greedy needs temperature=0 (use rejection or auto to sample)")
-    if acceptance in ("rejection", "typical") and params.greedy:
+    if acceptance in ("rejection", "coupled", "typical") and params.greedy:
         raise DraftsmithError(f"acceptance={acceptance} needs temperature > 0 (temperature=0 is greedy)")
     if acceptance == "typical" and (params.top_k or params.top_p < 1):
         raise DraftsmithError(f"acceptance=typical (Medusa's, LOSSY) thresholds the untruncated law: it cannot honour "

@@ -13,12 +13,18 @@ Parameters: max_tokens, temperature, top_p, top_k (extra field), seed, stop, n, 
 (+ stream_options.include_usage); responses carry usage and are built from the `openai`
 package's own types.
 
-Concurrency: requests wait in a bounded queue (`max_queue`; past it: 429) and ONE engine thread
-decodes them one at a time (batch-1 speculative decoding: the engine does not yet verify
-several sequences' trees in one batched forward). A streaming client that disconnects, or a
-request past `request_timeout_s`, is cancelled at the next verification step, freeing the
-engine. Each step's accepted tokens are streamed as soon as they are accepted; text is held
-back while it ends inside a multi-byte character or could still become a stop string.
+Concurrency: continuous batching. The engine thread decodes up to `engine.max_num_seqs` rows
+together (decode/engine.py: every row's tree verified in one forward, each row accepted under
+its own sampling parameters and seeded generator, so a seeded request is reproducible whatever
+its neighbours); each choice of a request (n) is a row; rows join and leave at every step and a
+prompt is read in chunks of `engine.prefill_chunk` tokens beside the rows that decode. How much
+each row drafts is `engine.budget` (fixed | adaptive: speculation steps aside as the batch
+grows; its choices are in /metrics). Requests beyond the rows wait in a bounded queue
+(`max_queue`; past it: 429). A streaming client that disconnects, or a request past
+`request_timeout_s`, leaves at the next step, freeing its row. Each step's accepted tokens are
+streamed as soon as they are accepted; text is held back while it ends inside a multi-byte
+character or could still become a stop string. A row whose proposer raises fails that request
+alone (500, naming the cause); the others go on.
 """
 from __future__ import annotations
 
@@ -41,7 +47,9 @@ import torch
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftsmith.decode.engine import generate
+from draftsmith.decode.budget import make_budget
+from draftsmith.decode.engine import SLOT_BUCKET, Engine
+from draftsmith.decode.forward import kv_shape
 from draftsmith.decode.evaluate import build_proposer, check_drafter
 from draftsmith.decode.probe import read_probe
 from draftsmith.models.entry import launch
@@ -89,7 +97,7 @@ class CompletionRequest(Sampling):
 # ------------------------------------------------------------------ the engine thread
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the engine thread keys its bookkeeping on jobs
 class Job:
     """One request's decoding work; `events` receives ("tokens", [ids]) / ("done", info) from the engine."""
     prompt_ids: torch.Tensor  # (1, T)
@@ -117,6 +125,21 @@ class Metrics:
                        "verifier_forwards_total": 0, "verification_steps_total": 0, "spec_decode_num_drafts_total": 0,
                        "spec_decode_num_draft_tokens_total": 0, "spec_decode_num_accepted_tokens_total": 0}
         self.per_pos = [0] * max_depth
+        self.gauges = {"batch_rows": 0, "batch_width": 0, "batch_drafting_rows": 0, "waiting_requests": 0}
+        self.widths: dict[int, int] = {}  # step width -> decoding steps (the budget policy's choices)
+        self.counts["engine_steps_total"] = 0
+
+    def step(self, engine) -> None:
+        """After an engine step: the batch it ran (rows, width, rows that drafted) and what waits."""
+        last = engine.last_step
+        with self.lock:
+            self.gauges["waiting_requests"] = len(engine.waiting)
+            if last:
+                self.counts["engine_steps_total"] += 1
+                self.gauges.update(batch_rows=last["rows"], batch_width=last["width"],
+                                   batch_drafting_rows=last["drafting"])
+                self.widths[last["width"]] = self.widths.get(last["width"], 0) + 1
+                engine.last_step = {}
 
     def add(self, **counts) -> None:
         with self.lock:
@@ -140,12 +163,18 @@ class Metrics:
     def text(self) -> str:
         with self.lock:
             c, per_pos = dict(self.counts), list(self.per_pos)
+            gauges, widths = dict(self.gauges), dict(self.widths)
         lines = []
         for key, value in c.items():
             lines += [f"# TYPE draftsmith:{key} counter", f"draftsmith:{key} {value}"]
         lines.append("# TYPE draftsmith:spec_decode_num_accepted_tokens_per_pos_total counter")
         lines += [f'draftsmith:spec_decode_num_accepted_tokens_per_pos_total{{position="{d}"}} {v}'
                   for d, v in enumerate(per_pos)]
+        for key, value in gauges.items():
+            lines += [f"# TYPE draftsmith:{key} gauge", f"draftsmith:{key} {value}"]
+        lines.append("# HELP draftsmith:engine_steps_by_width_total decoding steps by the width the budget chose")
+        lines.append("# TYPE draftsmith:engine_steps_by_width_total counter")
+        lines += [f'draftsmith:engine_steps_by_width_total{{width="{w}"}} {n}' for w, n in sorted(widths.items())]
         steps = c["verification_steps_total"]
         mean = (c["spec_decode_num_accepted_tokens_total"] + steps) / steps if steps > 0 else float("nan")
         lines += ["# HELP draftsmith:spec_decode_mean_acceptance_length tokens per verification step (tau)",
@@ -157,58 +186,147 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-class Engine:
-    """The verifier, the proposer and the one thread that decodes queued jobs in order."""
+class Server:
+    """The verifier, the proposer and the engine thread: continuous batching of every request's
+    choices (decode.engine.Engine, up to engine.max_num_seqs rows), fed from a bounded queue."""
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         check_drafter(cfg)  # a missing drafter folder: refused before the verifier loads
-        self.verifier = load_verifier(cfg.model, device=resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        self.verifier = load_verifier(cfg.model, device=device)
         self.model, self.tokenizer = self.verifier.model, self.verifier.tokenizer
-        self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)
+        self.proposer, self.drafter_meta = build_proposer(cfg, self.verifier)  # each row decodes with a fork
         self.name = cfg.served_model_name or cfg.model.name
         probe = read_probe(cfg.drafter) if self.proposer is not None and Path(str(cfg.drafter)).is_dir() else None
+        rows = int(cfg.engine.max_num_seqs)
+        longest = int(cfg.max_prompt_tokens) + int(cfg.max_tokens_limit) + 2 * SLOT_BUCKET
+        check_memory(self.model, rows, longest, device)
+        self.engine = Engine(self.model, max_num_seqs=rows, max_len=min(longest, 1024), forward=cfg.engine.forward,
+                             prefill_chunk=int(cfg.engine.prefill_chunk))
+        self.engine.budget = make_budget(cfg.engine.budget, self.engine.forward, rows)
         self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0,
                                None if probe is None else probe["tau"])
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=int(cfg.max_queue))
-        self.busy = False
+        self.live: dict = {}  # engine request -> (job, choice index)
+        self.pending: dict = {}  # job -> choices not yet finished
         self.thread = threading.Thread(target=self._work, daemon=True, name="draftsmith-engine")
         self.thread.start()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.live)
+
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            self.busy = True
             try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - reported to the client, the server keeps serving
-                self.metrics.add(request_errors_total=1)
-                job.emit("error", f"{type(e).__name__}: {e}")
-            finally:
-                self.busy = False
-                self.jobs.task_done()
+                self._admit(block=not self.live)
+                self._cancel_gone()
+                finished = self.engine.step() if self.engine.busy else []
+            except Exception as e:  # noqa: BLE001 - the step itself failed: every live request hears it, the
+                self.engine.reset()  # rows are dropped and the server goes on with the next requests
+                self.live.clear()
+                for job in list(self.pending):
+                    self._fail(job, f"{type(e).__name__}: {e}")
+                continue
+            for request in finished:
+                self._finish(request)
+            self.metrics.step(self.engine)
 
-    def _run(self, job: Job) -> None:
-        for index in range(job.n):
+    def _admit(self, block: bool) -> None:
+        """Take queued jobs while rows are free (waiting for one when nothing decodes)."""
+        while not self.engine.waiting and len(self.live) < self.engine.max_num_seqs:
+            try:
+                job = self.jobs.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            block = False
             if job.cancelled.is_set() or time.monotonic() > job.deadline:
-                job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
-                self.metrics.add(requests_cancelled_total=1)
-                return
-            generator = torch.Generator(device=self.model.device).manual_seed(job.seed + index)
+                self._cancelled(job)
+                continue
+            self.pending[job] = job.n
+            try:
+                for index in range(job.n):
+                    self._start(job, index)
+            except Exception as e:  # noqa: BLE001 - this request alone fails, naming the cause
+                self._fail(job, f"{type(e).__name__}: {e}")
 
-            def on_tokens(tokens: list[int], index=index) -> bool:
-                job.emit("tokens", (index, tokens))
-                return not job.cancelled.is_set() and time.monotonic() <= job.deadline
+    def _start(self, job: "Job", index: int) -> None:
+        generator = torch.Generator(device=self.model.device).manual_seed(job.seed + index)
 
-            out = generate(self.model, job.prompt_ids, proposer=self.proposer, generator=generator,
-                           stop_strings=job.stop or None, tokenizer=self.tokenizer, on_tokens=on_tokens, **job.params)
-            self.metrics.record(out)
-            if out.stop_reason == "cancelled":
-                self.metrics.add(requests_cancelled_total=1)
-                job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
-                return
-            job.emit("finished", (index, out.stop_reason, out.prompt_len))
-        job.emit("done", None)
+        def on_tokens(tokens: list[int]) -> bool:
+            job.emit("tokens", (index, tokens))
+            return not job.cancelled.is_set() and time.monotonic() <= job.deadline
+
+        proposer = self.proposer.fork() if self.proposer is not None else None
+        request = self.engine.add(job.prompt_ids[0].tolist(), proposer=proposer, generator=generator,
+                                  acceptance=serving_rule(self.cfg, job.params["temperature"]),
+                                  stop_strings=job.stop or None, tokenizer=self.tokenizer, on_tokens=on_tokens,
+                                  **job.params)
+        self.live[request] = (job, index)
+
+    def _cancel_gone(self) -> None:
+        """A client gone, or a request past its deadline: its rows leave at this step."""
+        now = time.monotonic()
+        for request, (job, _) in list(self.live.items()):
+            if job.cancelled.is_set() or now > job.deadline:
+                self.engine.cancel(request)
+
+    def _finish(self, request) -> None:
+        job, index = self.live.pop(request)
+        if job not in self.pending:
+            return  # the job failed or was cancelled through another of its choices
+        if request.error is not None:
+            self._fail(job, f"{type(request.error).__name__}: {request.error}")
+            return
+        self.metrics.record(request.result())
+        if request.stop.reason == "cancelled":
+            self._cancelled(job)
+            return
+        job.emit("finished", (index, request.stop.reason, len(request.prompt)))
+        self.pending[job] -= 1
+        if not self.pending[job]:
+            del self.pending[job]
+            job.emit("done", None)
+
+    def _drop(self, job: "Job") -> None:
+        self.pending.pop(job, None)
+        for request, (other, _) in list(self.live.items()):
+            if other is job:
+                self.engine.cancel(request)
+
+    def _cancelled(self, job: "Job") -> None:
+        self._drop(job)
+        self.metrics.add(requests_cancelled_total=1)
+        job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
+
+    def _fail(self, job: "Job", message: str) -> None:
+        self._drop(job)
+        self.metrics.add(request_errors_total=1)
+        job.emit("error", message)
+
+
+def serving_rule(cfg: DictConfig, temperature: float) -> str:
+    """The acceptance rule of a request: greedy at temperature 0; above, method.acceptance, whose
+    `auto` here is coupled sampling (decode/sampling.py: the tokens of plain sampling with the
+    request's seed, whatever the drafts and the batch: a seeded request is reproducible)."""
+    acceptance = cfg.method.get("acceptance", "auto")
+    if temperature == 0:
+        return "auto"
+    return "coupled" if acceptance == "auto" else acceptance
+
+
+def check_memory(model, rows: int, max_len: int, device: torch.device) -> None:
+    """Refuse, in one line before any work, a KV cache of rows x max_len slots that cannot fit."""
+    import psutil
+
+    layers, kv_heads, head_dim = kv_shape(model)
+    need = 2 * layers * kv_heads * head_dim * model.dtype.itemsize * rows * max_len
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if need > 0.9 * free:
+        raise DraftsmithError(f"engine.max_num_seqs={rows} rows x {max_len} slots (max_prompt_tokens + "
+                              f"max_tokens_limit + a tree) need {need / 1e9:.1f} GB of KV cache and {free / 1e9:.1f} GB "
+                              f"are free: lower engine.max_num_seqs, max_prompt_tokens or max_tokens_limit")
 
 
 # ------------------------------------------------------------------ text: streaming detokenization
@@ -373,7 +491,7 @@ def exposure_warning(host: str, port: int, key: str | None) -> str | None:
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
 
 
-def make_app(engine: Engine, cfg: DictConfig):
+def make_app(engine: "Server", cfg: DictConfig):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -586,14 +704,16 @@ def run(cfg: DictConfig) -> dict:
         print(warning, file=sys.stderr, flush=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    engine = Engine(cfg)
+    engine = Server(cfg)
     app = make_app(engine, cfg)
     drafter = f"{cfg.method.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
         else "no drafter (method=vanilla: plain decoding)"
     print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
           f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; "
           f"{drafter}; "
-          f"one request at a time behind a queue of {cfg.max_queue}; {app.state.access or 'no API key'}", flush=True)
+          f"continuous batching of up to {cfg.engine.max_num_seqs} rows (engine.forward={engine.engine.forward.name}, "
+          f"engine.budget={cfg.engine.budget}) behind a queue of {cfg.max_queue}; {app.state.access or 'no API key'}",
+          flush=True)
     uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
     return {"url": f"http://{cfg.host}:{cfg.port}/v1"}
 

@@ -38,7 +38,7 @@ def test_a_missing_drafter_is_refused_before_any_measurement(tiny_model_dir, tmp
     monkeypatch.setattr(evaluate, "load_verifier", lambda *a, **k: pytest.fail("loaded before the check"))
     monkeypatch.setattr(serve, "load_verifier", lambda *a, **k: pytest.fail("loaded before the check"))
     missing = tmp_path / "never-trained"
-    for config, run in [("bench_decode", bench_decode.run), ("evaluate", evaluate.run), ("serve", serve.Engine)]:
+    for config, run in [("bench_decode", bench_decode.run), ("evaluate", evaluate.run), ("serve", serve.Server)]:
         out = [] if config == "serve" else [f"output_dir={tmp_path / config}"]
         cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [
             "method=medusa", f"drafter={missing}", *out] + (["model.dtype=null"] if config == "bench_decode" else []))

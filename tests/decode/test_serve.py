@@ -17,7 +17,8 @@ import uvicorn
 
 from draftsmith.decode.probe import write_probe
 from draftsmith.decode import serve
-from draftsmith.decode.serve import Engine, TextStream, make_app
+from draftsmith.decode.serve import Server as Serving
+from draftsmith.decode.serve import TextStream, make_app
 from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -55,7 +56,7 @@ class Server:
     """make_app's app under uvicorn in a thread, on a free port; `client` sends `api_key`."""
 
     def __init__(self, cfg, api_key: str = "none"):
-        self.engine = Engine(cfg)
+        self.engine = Serving(cfg)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.engine, cfg), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -190,8 +191,8 @@ def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_
     s = Server(serve_cfg(tiny_model_dir, drafter, "max_queue=1", "request_timeout_s=1.5"))
     try:
         gate = threading.Event()
-        run = s.engine._run
-        s.engine._run = lambda job: (gate.wait(30), run(job))  # the engine holds its first job
+        step = s.engine.engine.step
+        s.engine.engine.step = lambda: (gate.wait(30), step())[1]  # the engine holds its first step
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "temperature": 0}
         held = threading.Thread(target=lambda: httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30))
         held.start()
@@ -206,7 +207,7 @@ def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_
         gate.set()
         held.join()
         queued.join()
-        s.engine._run = run
+        s.engine.engine.step = step
         # a streaming client that goes away mid-stream: the engine stops at its next step
         with httpx.stream("POST", f"{s.url}/v1/chat/completions", timeout=30,
                           json={**body, "max_tokens": 4000, "stream": True}) as r:
@@ -220,8 +221,7 @@ def test_a_full_queue_answers_429_and_a_gone_client_frees_the_engine(tiny_model_
         values = httpx.get(f"{s.url}/metrics").text
         assert "draftsmith:requests_cancelled_total 1" in values
         # a request past request_timeout_s is cancelled: 504 with an OpenAI-style error
-        slow = s.engine._run
-        s.engine._run = lambda job: (time.sleep(1.6), slow(job))
+        s.engine.engine.step = lambda: (time.sleep(1.6), step())[1]
         r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
     finally:
@@ -412,7 +412,57 @@ def test_a_drafter_the_method_would_ignore_is_refused(tiny_model_dir, drafter, c
 
     cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, f"drafter={drafter}"])
     with pytest.raises(DraftsmithError, match=rf"^drafter={drafter} would be ignored: method=\S+ decodes without"):
-        Engine(cfg) if config == "serve" else check_drafter(cfg)
+        Serving(cfg) if config == "serve" else check_drafter(cfg)
     # ... while a config's own default drafter (evaluate.yaml's interpolation) and drafter=null are no request
     assert check_drafter(compose_config(config, tiny_model_overrides(tiny_model_dir) + method)) != "medusa"
     assert check_drafter(compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, "drafter=null"]))
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+def test_concurrent_requests_share_steps_and_each_is_its_own_greedy_reply(tiny_model_dir, drafter):
+    """Six clients at once: every reply is the reply it gets alone; the engine ran them together
+    (fewer engine steps than tokens, a batch of several rows in /metrics); a seeded sampled reply
+    is the same alone and among the others."""
+    s = Server(serve_cfg(tiny_model_dir, drafter, "engine.max_num_seqs=4", "engine.prefill_chunk=16"))
+    try:
+        prompts = [f"question number {i} about {'cats' * (i + 1)}" for i in range(6)]
+
+        def ask(prompt, **kw):
+            return s.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, **kw).choices[0].text
+
+        alone = [ask(p, temperature=0) for p in prompts]
+        seeded = ask(prompts[0], temperature=0.9, seed=11)
+        before = httpx.get(f"{s.url}/metrics").text
+        steps0 = float(next(line.split()[1] for line in before.splitlines() if line.startswith("draftsmith:engine_steps_total")))
+        replies, widest = [None] * 7, []
+        def worker(i):
+            replies[i] = ask(prompts[i], temperature=0) if i < 6 else ask(prompts[0], temperature=0.9, seed=11)
+
+        def watch():
+            while any(r is None for r in replies):
+                text = httpx.get(f"{s.url}/metrics").text
+                widest.append(int(float(next(line.split()[1] for line in text.splitlines()
+                                             if line.startswith("draftsmith:batch_rows ")))))
+                time.sleep(0.005)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(7)] + [threading.Thread(target=watch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert replies[:6] == alone and replies[6] == seeded
+        after = httpx.get(f"{s.url}/metrics").text
+        values = {line.split()[0]: float(line.split()[1]) for line in after.splitlines() if line and line[0] != "#"}
+        assert max(widest) > 1 and max(widest) <= 4  # rows decoded together, never more than max_num_seqs
+        assert values["draftsmith:engine_steps_total"] - steps0 < 6 * 24  # steps were shared
+        assert any(k.startswith("draftsmith:engine_steps_by_width_total") for k in values)
+    finally:
+        s.stop()
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_before_serving(tiny_model_dir, drafter):
+    with pytest.raises(DraftsmithError, match=r"^engine.max_num_seqs=100000000 rows x \d+ slots .* need [\d.]+ GB of KV "
+                                              r"cache and [\d.]+ GB are free: lower engine.max_num_seqs"):
+        Serving(serve_cfg(tiny_model_dir, drafter, "engine.max_num_seqs=100000000"))
