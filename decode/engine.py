@@ -219,13 +219,15 @@ class Engine:
         check_architecture(model)
         self.model, self.lm_head = model, model.get_output_embeddings()
         self.device = self.lm_head.weight.device
-        self.forward = make_forward(model, forward, max_num_seqs, max_len)
+        self.forward = make_forward(model, forward, max_num_seqs + 1, max_len)  # + a spare row: the shared prefix
         if self.forward.name == "hf" and getattr(model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
             raise DraftsmithError(f"attn_implementation={model.config._attn_implementation!r} cannot take the engine's "
                                   f"4D masks; load the verifier with attn_implementation='sdpa'")
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.budget = FixedBudget() if budget is None else budget
         self.last_step: dict = {}  # the last decoding step: rows, width, rows that drafted, verify seconds
+        self.prefix: list[int] = []  # set_prefix: tokens whose keys / values sit in the spare row
+        self.prefix_hidden: torch.Tensor | None = None  # (P, H)
         self.decoding: list[Request] = []  # cache rows 0..B-1, in this order
         self.prefilling: list[Request] = []  # rows reading their prompt (top cache rows)
         self.waiting: list[Request] = []  # not yet given a cache row
@@ -261,6 +263,31 @@ class Engine:
             self.waiting.append(request)
         return request
 
+    def set_prefix(self, tokens: Sequence[int]) -> None:
+        """Read `tokens` once into the spare cache row: every later request whose prompt starts with
+        them (and is longer) gets their keys / values by one copy and reads only the rest (a chat
+        template's system prompt, shared by every self-distillation prompt). Requests whose proposer
+        needs layer states (EAGLE-3) read their whole prompt."""
+        self.prefix, self.prefix_hidden = [int(t) for t in tokens], None
+        if not self.prefix:
+            return
+        spare = self.max_num_seqs
+        self._reserve(None, len(self.prefix))
+        tree = chain_tree(self.prefix, self.device)
+        inputs = batch_inputs([tree], [0], tree.size, self.device)
+        length = _slot_bucket(tree.size, self.forward.cache.max_len)
+        with torch.inference_mode():
+            hidden, _ = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length),
+                                     torch.tensor([spare], device=self.device), length)
+        self.prefix_hidden = hidden[0]  # (P, H)
+
+    def _share_prefix(self, request: Request) -> None:
+        P = len(self.prefix)
+        if P and not request.capture and len(request.prompt) > P and request.prompt[:P] == self.prefix:
+            self.forward.cache.move_row(self.max_num_seqs, request.row, P)
+            request.fed = request.cache_len = P
+            request.prompt_hidden.append(self.prefix_hidden)
+
     def cancel(self, request: Request) -> None:
         """Stop a request at the next step (stop_reason "cancelled"); its row is freed."""
         request.cancel_requested = True
@@ -274,7 +301,7 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.decoding or self.prefilling or self.waiting)
 
-    def _reserve(self, request: Request, tokens: int) -> None:
+    def _reserve(self, request: Request | None, tokens: int) -> None:
         """Grow the cache when a request may need more slots than a row has (prompt + new tokens
         + the widest tree)."""
         need = tokens + 2 * SLOT_BUCKET
@@ -304,6 +331,7 @@ class Engine:
             request = self.waiting.pop(0)
             used = {r.row for r in self.prefilling}
             request.row = max(r for r in range(self.max_num_seqs) if r not in used and r >= len(self.decoding))
+            self._share_prefix(request)
             self.prefilling.append(request)
 
     def _release(self) -> None:
@@ -441,6 +469,7 @@ class Engine:
                 H = hidden.shape[-1]
                 request.prompt_layers.append(torch.cat(
                     [captured[b, :n, layer_of[i] * H:(layer_of[i] + 1) * H] for i in request.capture], dim=-1))
+        for request, _ in chunks:  # (after every row's cache length is updated: rows may exchange places)
             if request.fed == len(request.prompt):
                 self._first(request)
 

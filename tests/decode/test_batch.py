@@ -56,9 +56,12 @@ def test_greedy_rows_are_hf_generate_on_each_prompt_alone(model, batch_size):
 
 
 def test_a_broken_mask_fails_the_greedy_check(model, monkeypatch):
-    """Teeth: rows that see each other's slots (mask ignoring starts) no longer match HF."""
-    real = batch.additive_mask
-    monkeypatch.setattr(batch, "additive_mask", lambda allowed, dtype: real(torch.ones_like(allowed), dtype))
+    """Teeth: tokens that see every slot of their cache row (the padding, the slots past their
+    own) no longer match HF."""
+    from draftsmith.decode.engine import BatchInputs
+
+    monkeypatch.setattr(BatchInputs, "allowed", lambda self, length: torch.ones(
+        *self.tokens.shape, length, dtype=torch.bool))
     ps = prompts(6)
     got = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=12, eos=[EOS], batch_size=6)}
     assert any(got[i] != hf_greedy(model, p, 12) for i, p in enumerate(ps))
@@ -90,11 +93,19 @@ def test_common_prefix_leaves_every_row_a_token_of_its_own():
     assert batch.common_prefix([[4, 2, 3]]) == [4, 2]
 
 
-def test_a_prefix_left_in_place_fails_the_greedy_check(model, monkeypatch):
-    """Teeth: rows whose copied prefix is not moved next to their suffix no longer match HF."""
-    monkeypatch.setattr(torch.Tensor, "gather", lambda self, dim, index: self.clone())
+def test_a_prefix_left_uncopied_fails_the_greedy_check(model, monkeypatch):
+    """Teeth: rows that skip the shared prefix without its keys / values no longer match HF."""
+    from draftsmith.decode.engine import Engine
+
+    def skip_without_copy(self, request):
+        P = len(self.prefix)
+        if P and len(request.prompt) > P and request.prompt[:P] == self.prefix:
+            request.fed = request.cache_len = P
+            request.prompt_hidden.append(self.prefix_hidden)
+
     ps = chat_prompts(6)
     want = [hf_greedy(model, p, 12) for p in ps]
+    monkeypatch.setattr(Engine, "_share_prefix", skip_without_copy)
     unshared = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=12, eos=[EOS], batch_size=6,
                                                           share_prefix=False)}
     assert all(unshared[i] == want[i] for i in range(len(ps)))  # the patch touches only the shared path
@@ -130,8 +141,8 @@ def test_sampled_rows_follow_the_verifiers_law(model, params):
 
 def test_a_wrong_temperature_fails_the_law_check(model, monkeypatch):
     """Teeth: drawing at T/2 instead of T is detected by the same transform."""
-    real = batch.logits_to_probs
-    monkeypatch.setattr(batch, "logits_to_probs", lambda logits, t, k, p: real(logits, t / 2, k, p))
+    real = sampling.logits_to_probs
+    monkeypatch.setattr(sampling, "logits_to_probs", lambda logits, t, k=0, p=1.0: real(logits, t / 2, k, p))
     params = SamplingParams(temperature=1.0)
     ps = prompts(40)
     outs = {i: t for i, t, _ in batch.generate_batch(model, ps, max_new_tokens=40, eos=[EOS], params=params,
