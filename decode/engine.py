@@ -210,7 +210,7 @@ class Engine:
     """
 
     def __init__(self, model, *, max_num_seqs: int = 1, max_len: int = 1024, forward: str = "auto",
-                 prefill_chunk: int = 512, budget=None):
+                 prefill_chunk: int = 512, budget=None, invariant: bool = False):
         if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "model", None), PreTrainedModel):
             model = model.model  # a models.verifier.Verifier
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
@@ -219,7 +219,7 @@ class Engine:
         check_architecture(model)
         self.model, self.lm_head = model, model.get_output_embeddings()
         self.device = self.lm_head.weight.device
-        self.forward = make_forward(model, forward, max_num_seqs + 1, max_len)  # + a spare row: the shared prefix
+        self.forward = make_forward(model, forward, max_num_seqs + 1, max_len, invariant)  # + a spare row: the prefix
         if self.forward.name == "hf" and getattr(model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
             raise DraftsmithError(f"attn_implementation={model.config._attn_implementation!r} cannot take the engine's "
                                   f"4D masks; load the verifier with attn_implementation='sdpa'")
@@ -375,7 +375,7 @@ class Engine:
         hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length),
                                         len(rows), length, capture)
         real = hidden[inputs.real]  # (sum n, H)
-        logits = self.lm_head(real)  # (sum n, V)
+        logits = self.forward.logits(real)  # (sum n, V)
         sync_device(self.device)
         t2 = time.perf_counter()
         order = torch.arange(width, device=self.device).repeat(len(rows), 1)  # (B, N)
@@ -479,7 +479,7 @@ class Engine:
         hidden = torch.cat(request.prompt_hidden)  # (T, H)
         extra = {"layer_hidden": torch.cat(request.prompt_layers)} if request.capture else {}
         request.prompt_hidden, request.prompt_layers = [], []
-        first = _first_token(self.lm_head(hidden[-1]), request.rule_name, request.params,
+        first = _first_token(self.forward.logits(hidden[-1:])[0], request.rule_name, request.params,
                              request.noise.at(len(request.prompt)) if request.noise is not None else request.generator)
         samples = getattr(request.proposer, "samples_drafts", None)  # a duck-typed proposer may lack the hook
         try:
@@ -582,17 +582,18 @@ _ENGINES: "weakref.WeakKeyDictionary[PreTrainedModel, list]" = weakref.WeakKeyDi
 _ENGINES_LOCK = threading.Lock()
 
 
-def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int) -> "Engine":
+def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant: bool = False) -> "Engine":
     """A one-row engine for this model, reused across calls (its cache grows to the longest)."""
+    kind = (forward, invariant)
     with _ENGINES_LOCK:
         pool = _ENGINES.setdefault(model, [])
         for engine in pool:
-            if engine.forward_kind == forward and not engine.busy and not engine.in_use:
+            if engine.kind == kind and not engine.busy and not engine.in_use:
                 engine.in_use = True
                 return engine
     engine = Engine(model, max_num_seqs=1, max_len=max(256, tokens + 2 * SLOT_BUCKET), forward=forward,
-                    prefill_chunk=1 << 30)
-    engine.forward_kind, engine.in_use = forward, True
+                    prefill_chunk=1 << 30, invariant=invariant)
+    engine.kind, engine.in_use = kind, True
     with _ENGINES_LOCK:
         _ENGINES.setdefault(model, []).append(engine)
     return engine
@@ -616,6 +617,7 @@ def generate(
     posterior_alpha: float = 0.3,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     forward: str = "auto",
+    invariant: bool = False,
 ) -> "GenerationOutput":
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding: an
     Engine with one row (the prompt read in one forward).
@@ -641,6 +643,9 @@ def generate(
         token after the prefill, then every verification); returning False stops generation
         with stop_reason "cancelled" (a client that went away, a timeout).
       forward: the verifier forward, decode/forward.py (fast | hf | auto).
+      invariant: the fast forward's shape-invariant mode: every token's logits are those of a
+        plain step, bit for bit, whatever the tree (greedy output = plain greedy output, and with
+        acceptance="coupled" sampled output = plain sampling's, in bf16 too).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.
@@ -655,7 +660,7 @@ def generate(
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)  # validated
     sampling.resolve_rule(acceptance, params)
     check_architecture(model)
-    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens)
+    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens, invariant)
     try:
         request = engine.add(input_ids[0].tolist(), proposer=proposer, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, acceptance=acceptance,

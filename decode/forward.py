@@ -134,16 +134,27 @@ def fast_problem(model) -> str | None:
     return None
 
 
+INVARIANT_ROWS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 8, torch.float64: 8}  # linear chunk rows
+
+
 class FastLlama:
-    """The Llama-family decoder as plain tensor ops over the HF model's own weights."""
+    """The Llama-family decoder as plain tensor ops over the HF model's own weights.
+
+    invariant=True (engine.invariant): a row's logits do not depend on how many rows share the
+    forward (a plain step, a tree of any size, other rows of a batch): every linear layer runs
+    on chunks of exactly INVARIANT_ROWS rows (padded; one GEMM shape, so one kernel and one
+    reduction order per row whatever the step holds), and attention runs in float64 (products of
+    bf16 / fp16 / fp32 values are exact there, so the scores do not depend on the kernel; the
+    softmax sums and the weighted values round at 1e-16, far below the model dtype's step)."""
 
     name = "fast"
 
-    def __init__(self, model, cache: StaticKV):
+    def __init__(self, model, cache: StaticKV, invariant: bool = False):
         problem = fast_problem(model)
         if problem:
             raise DraftsmithError(f"engine.forward=fast: {problem}; use engine.forward=hf (or auto)")
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.invariant = model, cache, invariant
+        self.chunk = INVARIANT_ROWS.get(next(model.parameters()).dtype, 8)
         inner = model.model
         self.embed, self.norm, self.layers = inner.embed_tokens, inner.norm, list(inner.layers)
         self.num_layers, self.kv_heads, self.head_dim = kv_shape(model)
@@ -169,23 +180,41 @@ class FastLlama:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm)
-            q = attn.q_proj(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, N, D)
-            k = attn.k_proj(x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
-            v = attn.v_proj(x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
+            lin = self.linear
+            q = lin(attn.q_proj, x).view(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, N, D)
+            k = lin(attn.k_proj, x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
+            v = lin(attn.v_proj, x).view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             self.cache.write(i, k, v, rows, slots)
             keys, values = self.cache.read(i, rows, length)  # (B, Hkv, S, D)
-            o = attention(q, keys, values, mask, self.scale)  # (B, N, Hq * D)
-            h = h + attn.o_proj(o)
+            o = attention(q, keys, values, mask, self.scale, exact=self.invariant)  # (B, N, Hq * D)
+            h = h + lin(attn.o_proj, o)
             x = rms_norm(h, layer.post_attention_layernorm)
             mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            h = h + lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
             if i in capture and i < self.num_layers - 1:
                 captured.append(h)
         hidden = rms_norm(h, self.norm)
         if self.num_layers - 1 in capture:  # HF's hidden_states[-1] is the normed output, as trained on
             captured.append(hidden)
         return hidden, (torch.cat(captured, dim=-1) if capture else None)
+
+
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """module(x), or in invariant mode over chunks of exactly `chunk` rows (the last padded)."""
+        if not self.invariant:
+            return module(x)
+        flat = x.reshape(-1, x.shape[-1])
+        m = flat.shape[0]
+        pad = -m % self.chunk
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
+        out = torch.cat([module(part) for part in flat.split(self.chunk)])
+        return out[:m].reshape(*x.shape[:-1], -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over (m, H) states -> (m, V), chunked like every linear in invariant mode."""
+        return self.linear(self.model.get_output_embeddings(), hidden)
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -200,10 +229,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def attention(q, keys, values, mask, scale: float) -> torch.Tensor:
+def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch.Tensor:
     """Grouped-query attention, eager's arithmetic (softmax in float32; float64 stays float64):
     q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S) bool -> (B, N, Hq * D).
-    The query heads of a group are stacked along the query axis (no repeated keys)."""
+    The query heads of a group are stacked along the query axis (no repeated keys).
+    exact: everything in float64, the result rounded to q's dtype (FastLlama's invariant mode)."""
+    if exact:
+        return attention(q.double(), keys.double(), values.double(), mask, scale).to(q.dtype)
     B, Hq, N, D = q.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     group = Hq // kv_heads
@@ -243,6 +275,9 @@ class HFForward:
         self.decoder = model.get_decoder()
         self.hf_cache = Cache(layers=[_StaticLayer(cache, i) for i in range(cache.keys.shape[0])])
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
     @torch.inference_mode()
     def __call__(self, tokens, positions, slots, allowed, rows, length: int, capture=()):
         for layer in self.hf_cache.layers:
@@ -257,12 +292,17 @@ class HFForward:
 FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}
 
 
-def make_forward(model, kind: str, max_rows: int, max_len: int):
-    """The verifier forward of `kind` (fast | hf | auto) with its own static cache."""
+def make_forward(model, kind: str, max_rows: int, max_len: int, invariant: bool = False):
+    """The verifier forward of `kind` (fast | hf | auto) with its own static cache; invariant:
+    FastLlama's shape-invariant mode (engine.invariant)."""
     choose(FORWARDS, kind, "engine.forward")
     if kind == "auto":
         kind = "hf" if fast_problem(model) else "fast"
+    if invariant and kind != "fast":
+        raise DraftsmithError(f"engine.invariant=true needs the fast forward (its linear layers and attention are "
+                              f"shape-invariant), and engine.forward={kind} here: "
+                              f"{fast_problem(model) or 'set engine.forward=fast'}")
     layers, kv_heads, head_dim = kv_shape(model)
     param = next(model.parameters())
     cache = StaticKV(layers, max_rows, kv_heads, max_len, head_dim, param.dtype, param.device)
-    return FORWARDS[kind](model, cache)
+    return FastLlama(model, cache, invariant) if kind == "fast" else HFForward(model, cache)

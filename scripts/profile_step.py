@@ -1,0 +1,120 @@
+"""Where a verifier step's time goes: HF's eager forward against the engine's own (decode/forward.py).
+
+    python scripts/profile_step.py                                   # SmolLM2, bf16 + fp32, 1 and 16 tokens
+    python scripts/profile_step.py dtypes=[bfloat16] tokens=[1,8,32] cache_len=512
+
+For each forward (hf: the HF decoder over the static cache, what the engine ran before; fast:
+the Llama-family forward; compiled: fast under torch.compile when compile=true) x dtype x
+tokens per step: the median step time over `repeats` steps on a `cache_len`-token cache, with
+the lm_head over the step's tokens, and torch.profiler's top operators by self CPU time for one
+step. Writes output_dir/profile_step.{json,md}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from draftsmith.decode.engine import batch_inputs, chain_tree, sync_device
+from draftsmith.decode.forward import make_forward
+from draftsmith.models.checkpoint import write_atomic_text
+from draftsmith.models.entry import launch
+from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import load_verifier, resolve_device
+
+KINDS = {"hf": "hf", "fast": "fast", "compiled": "fast"}
+
+
+def step_fn(model, kind: str, tokens: int, cache_len: int):
+    """A closure running one verify step of `tokens` tokens over a `cache_len`-token cache."""
+    forward = make_forward(model, KINDS[kind], max_rows=1, max_len=cache_len + tokens + 64)
+    device = model.device
+    prompt = chain_tree(torch.randint(0, 1000, (cache_len,)).tolist(), device)
+    first = batch_inputs([prompt], [0], cache_len, device)
+    forward(first.tokens, first.positions, first.slots, first.allowed(cache_len), 1, cache_len)
+    tree = chain_tree(torch.randint(0, 1000, (tokens,)).tolist(), device)
+    inputs = batch_inputs([tree], [cache_len], tokens, device)
+    length = cache_len + tokens
+    allowed = inputs.allowed(length)
+    run = forward
+    if kind == "compiled":
+        run = torch.compile(forward.__call__, dynamic=False)
+
+    def step():
+        hidden, _ = run(inputs.tokens, inputs.positions, inputs.slots, allowed, 1, length)
+        model.lm_head(hidden[0])
+        sync_device(device)
+    return step
+
+
+def measure(step, repeats: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def top_ops(step, n: int = 8) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows) or 1
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1000, "share": e.self_cpu_time_total / total,
+             "calls": e.count} for e in rows[:n]]
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.model.dtype is not None:
+        raise DraftsmithError(f"model.dtype={cfg.model.dtype} would be ignored: profile_step measures each of "
+                              f"dtypes={list(cfg.dtypes)}; pass dtypes=[{cfg.model.dtype}] instead")
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    for kind in cfg.forwards:
+        choose(KINDS, kind, "forwards[]")
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"model": cfg.model.name, "device": str(device), "threads": torch.get_num_threads(),
+              "load_avg_1m": os.getloadavg()[0], "cache_len": cfg.cache_len, "rows": []}
+    for dtype in cfg.dtypes:
+        verifier = load_verifier(OmegaConf.merge(cfg.model, {"dtype": dtype}), device=device)
+        with torch.inference_mode():
+            for tokens in cfg.tokens:
+                for kind in cfg.forwards:
+                    step = step_fn(verifier.model, kind, int(tokens), int(cfg.cache_len))
+                    seconds = measure(step, int(cfg.repeats))
+                    row = {"forward": kind, "dtype": dtype, "tokens": int(tokens), "ms": 1000 * seconds,
+                           "top_ops": top_ops(step)}
+                    report["rows"].append(row)
+                    print(f"profile_step: {kind} {dtype} {tokens} tokens: {1000 * seconds:.1f} ms", flush=True)
+        del verifier
+    write_atomic_text(out_dir / "profile_step.json", json.dumps(report, indent=2))
+    table = markdown(report)
+    write_atomic_text(out_dir / "profile_step.md", table + "\n")
+    print(table)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"{report['model']} on {report['device']}, {report['threads']} threads, load {report['load_avg_1m']:.1f}, "
+             f"cache {report['cache_len']} tokens; one verify step (forward + lm_head), median", "",
+             "| forward | dtype | tokens | ms / step | top operators (self CPU share) |", "|---|---|---|---|---|"]
+    for r in report["rows"]:
+        ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in r["top_ops"][:4])
+        lines.append(f"| {r['forward']} | {r['dtype']} | {r['tokens']} | {r['ms']:.1f} | {ops} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    launch("profile_step", run)
