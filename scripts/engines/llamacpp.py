@@ -67,11 +67,16 @@ class RunResult:
 
 def server_argv(model: str | Path, draft: str | Path | None = None, spec_type: str | None = None, n_draft: int = 3,
                 parallel: int = 1, ctx: int = 4096, threads: int | None = None, args: list[str] | None = None,
-                binary: str | Path | None = None) -> list[str]:
-    """llama-server's command line (without --host / --port) for a verifier GGUF and an optional drafter."""
+                binary: str | Path | None = None, poll: int | None = None) -> list[str]:
+    """llama-server's command line (without --host / --port) for a verifier GGUF and an optional drafter.
+    poll: llama.cpp's --poll (its threads busy-wait for work, default 50); 0 lets them sleep, which a box
+    shared with other work needs: with one other busy process on the 2 cores, 2 spinning threads ran a
+    tiny model at 9.5 tok/s, and 340 with --poll 0."""
     argv = [str(binary or llamacpp_server()), "-m", str(model), "-np", str(parallel), "-c", str(ctx * parallel)]
     if threads:
         argv += ["-t", str(threads), "-tb", str(threads)]
+    if poll is not None:
+        argv += ["--poll", str(poll)] + (["--poll-draft", str(poll)] if draft is not None else [])
     if draft is not None:
         argv += ["-md", str(draft), "--spec-draft-n-max", str(n_draft)]
         if threads:
@@ -187,7 +192,7 @@ EXACT_F32 = ["-fa", "off", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd"
 def bench_rows(model_overrides: list[str], drafters: dict[str, str], prompts: list[list[int]], max_new_tokens: int,
                out_dir: str | Path, dtypes: tuple[str, ...] = ("float32", "bfloat16"), k: int = 3,
                clients: tuple[int, ...] = (1,), threads: int = 2, ngram: str | None = "ngram-simple",
-               log=print) -> list[dict]:
+               poll: int | None = None, log=print) -> list[dict]:
     """llama.cpp's rows for a peer benchmark (scripts/bench_peers.py's row dicts: engine, row, batch,
     tokens, seconds, tau; `error` for a drafter llama.cpp cannot run): for each dtype, plain decoding
     and each drafter (exported with scripts/export.py format=gguf into out_dir/gguf-<dtype>/<name>,
@@ -226,7 +231,7 @@ def bench_rows(model_overrides: list[str], drafters: dict[str, str], prompts: li
             setups.append((ngram, None, ngram))
         for row, draft, spec in setups:
             for n in clients:
-                argv = server_argv(verifier_gguf, draft, spec, k, parallel=n, threads=threads, args=exact)
+                argv = server_argv(verifier_gguf, draft, spec, k, parallel=n, threads=threads, args=exact, poll=poll)
                 try:
                     with LlamaServer(argv, log=out / f"server-{row.strip('+ ')}-{n}.log") as server:
                         server.run(prompts[:1], min(8, max_new_tokens), 1)  # warm-up
@@ -274,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--clients", type=int, nargs="+", default=[1], help="concurrencies (one server with -np N each)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--poll", type=int, default=None, help="llama.cpp's --poll; 0 on a box shared with other work")
     p.add_argument("--args", default="", help="more llama-server flags, one string (e.g. '-fa off -ctk f32')")
     p.add_argument("--out", help="write the results here as JSON")
     a = p.parse_args(argv)
@@ -294,7 +300,7 @@ def main(argv=None) -> int:
         rows = []
         for n in a.clients:
             argv = server_argv(a.model, a.draft, a.spec_type, a.n_draft, parallel=n, threads=a.threads,
-                               args=a.args.split())
+                               args=a.args.split(), poll=a.poll)
             with LlamaServer(argv) as server:
                 server.run(prompts[:1], 8, 1)  # warm-up
                 r = server.run(prompts, a.max_new_tokens, n)

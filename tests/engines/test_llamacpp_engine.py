@@ -109,6 +109,7 @@ def draftsmith_counts(setup, drafter_dir: Path) -> list[dict]:
         out = generate(verifier.model, x, proposer=proposer, max_new_tokens=NEW_TOKENS, eos_token_id=())
         emitted, drafted, accepted = 1, 0, 0  # the prefill's token
         for step in out.steps:
+            assert step.num_nodes == N_DRAFT + 1, "draftsmith drafted a chain of another length"
             n = min(N_DRAFT, NEW_TOKENS - emitted - 1)
             if n > 0:
                 drafted, accepted = drafted + n, accepted + min(step.accepted, n)
@@ -118,12 +119,15 @@ def draftsmith_counts(setup, drafter_dir: Path) -> list[dict]:
 
 
 def serve(command: str, log: Path) -> LlamaServer:
-    """A LlamaServer running `command` as the export prints it, on a free port instead of 8080, one thread."""
+    """A LlamaServer running `command` as the export prints it, on a free port instead of 8080, with one
+    thread that sleeps while it waits (--poll 0: spinning threads crawl on a box the other test worker
+    shares)."""
     words = shlex.split(command)
     for flag in ("--host", "--port"):
         i = words.index(flag)
         del words[i:i + 2]
-    return LlamaServer(words + ["-t", "1"], log=log)
+    return LlamaServer(words + ["-t", "1", "--poll", "0"] + (["--poll-draft", "0"] if "-md" in words else []),
+                       log=log)
 
 
 def llamacpp_rows(server: LlamaServer, setup) -> list[dict]:
