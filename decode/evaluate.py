@@ -251,6 +251,12 @@ def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> Di
     return cfg
 
 
+def plain_rule(acceptance: str) -> str:
+    """Plain decoding's rule beside a method's: coupled sampling stays coupled (then the same seed
+    draws the same tokens, and any difference would be a loss), anything else is auto."""
+    return "coupled" if acceptance == "coupled" else "auto"
+
+
 def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -316,7 +322,8 @@ def run(cfg: DictConfig) -> dict:
                 gen = torch.Generator(device=model.device).manual_seed(seed)
                 out = generate(model, ids, proposer=runs[name], max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               acceptance=acceptance if runs[name] is not None else "auto", generator=gen)
+                               acceptance=plain_rule(acceptance) if runs[name] is None else acceptance, generator=gen,
+                               forward=cfg.engine.forward, invariant=cfg.engine.invariant)
                 results[name] = out
                 outputs[name].append(out)
                 latencies[name] += token_latencies(out)
@@ -394,7 +401,8 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
     model = load_verifier(model_cfg, device=device).model
     same, agree, total = 0, 0, 0
     for ids, tuned in zip(prompts_ids, tuned_outputs):
-        ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens).tokens
+        ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens, forward=cfg.engine.forward,
+                       invariant=cfg.engine.invariant).tokens
         n = next((i for i, (a, b) in enumerate(zip(tuned.tokens, ref)) if a != b), min(len(tuned.tokens), len(ref)))
         same += tuned.tokens == ref
         agree, total = agree + n, total + max(len(tuned.tokens), len(ref))

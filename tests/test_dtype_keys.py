@@ -92,3 +92,10 @@ def test_model_overrides_name_the_preset_and_what_differs():
     again = compose_config("evaluate", args)  # what a child entry script composes from them
     assert again.model.path == "/v" and again.model.dtype == "bfloat16" and again.model.extra == 1
     assert evaluate_config([], model=cfg.model).model == cfg.model
+
+
+def test_profile_step_refuses_model_dtype_it_would_ignore(tmp_path):
+    profile = script("profile_step")
+    cfg = compose_config("profile_step", ["model.dtype=float16", f"output_dir={tmp_path}"])
+    with pytest.raises(DraftsmithError, match=r"^model.dtype=float16 would be ignored: .* pass dtypes=\[float16\]"):
+        profile.run(cfg)

@@ -178,7 +178,8 @@ def test_models_health_and_metrics(server):
     text = httpx.get(f"{server.url}/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values["draftsmith:spec_decode_num_drafts_total"] > 0
-    assert values["draftsmith:spec_decode_num_draft_tokens_total"] == 2 * values["draftsmith:spec_decode_num_drafts_total"]
+    drafts = values["draftsmith:spec_decode_num_drafts_total"]  # (engine.budget=adaptive may cut a chain of 2 to 1)
+    assert drafts <= values["draftsmith:spec_decode_num_draft_tokens_total"] <= 2 * drafts
     assert values['draftsmith:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] >= \
         values['draftsmith:spec_decode_num_accepted_tokens_per_pos_total{position="1"}']
     steps = values["draftsmith:verification_steps_total"]
