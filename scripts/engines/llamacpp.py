@@ -280,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1], help="concurrencies (one server with -np N each)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--poll", type=int, default=None, help="llama.cpp's --poll; 0 on a box shared with other work")
+    p.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (every request writes "
+                                                                 "--max-new-tokens, as scripts/bench_peers.py's rows)")
     p.add_argument("--args", default="", help="more llama-server flags, one string (e.g. '-fa off -ctk f32')")
     p.add_argument("--out", help="write the results here as JSON")
     a = p.parse_args(argv)
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
                                args=a.args.split(), poll=a.poll)
             with LlamaServer(argv) as server:
                 server.run(prompts[:1], 8, 1)  # warm-up
-                r = server.run(prompts, a.max_new_tokens, n)
+                r = server.run(prompts, a.max_new_tokens, n, ignore_eos=a.ignore_eos)
             rows.append({"clients": n, "tokens_per_s": r.tokens_per_s, "tau": r.tau, "wall_s": r.wall_s,
                          "completions": [asdict(c) for c in r.completions]})
             print(f"llama.cpp N={n}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.3f}, {len(prompts)} prompts x "
