@@ -149,11 +149,12 @@ class FastLlama:
 
     name = "fast"
 
-    def __init__(self, model, cache: StaticKV, invariant: bool = False):
+    def __init__(self, model, cache: StaticKV, invariant: bool = False, compile: str | None = None):
         problem = fast_problem(model)
         if problem:
             raise DraftsmithError(f"engine.forward=fast: {problem}; use engine.forward=hf (or auto)")
         self.model, self.cache, self.invariant = model, cache, invariant
+        self.backend, self.graphs = compile, {}  # capture layers -> the compiled step (a constant inside each)
         self.chunk = INVARIANT_ROWS.get(next(model.parameters()).dtype, 8)
         inner = model.model
         self.embed, self.norm, self.layers = inner.embed_tokens, inner.norm, list(inner.layers)
@@ -172,6 +173,18 @@ class FastLlama:
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, slots, allowed, rows, length: int, capture=()):
+        keep = tuple(i in capture for i in range(self.num_layers))  # bools: never made symbolic by dynamo
+        if self.backend is None:
+            return self.forward(tokens, positions, slots, allowed, rows, length, keep)
+        if keep not in self.graphs:
+            def step(tokens, positions, slots, allowed, rows, length):
+                return self.forward(tokens, positions, slots, allowed, rows, length, keep)
+            self.graphs[keep] = compiled(step, self.backend, self.cache.keys.device)
+        return self.graphs[keep](tokens, positions, slots, allowed, rows, length)
+
+    def forward(self, tokens, positions, slots, allowed, rows, length: int, keep: tuple[bool, ...]):
+        """The step itself: static shapes per (B, N, S) bucket, no host syncs (compilable whole);
+        keep[i]: return layer i's output."""
         B, N = tokens.shape
         h = self.embed(tokens)  # (B, N, H)
         cos, sin = self.rope(positions, h.dtype)
@@ -192,12 +205,12 @@ class FastLlama:
             x = rms_norm(h, layer.post_attention_layernorm)
             mlp = layer.mlp
             h = h + lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
-            if i in capture and i < self.num_layers - 1:
+            if keep[i] and i < self.num_layers - 1:
                 captured.append(h)
         hidden = rms_norm(h, self.norm)
-        if self.num_layers - 1 in capture:  # HF's hidden_states[-1] is the normed output, as trained on
+        if keep[-1]:  # HF's hidden_states[-1] is the normed output, as trained on
             captured.append(hidden)
-        return hidden, (torch.cat(captured, dim=-1) if capture else None)
+        return hidden, (torch.cat(captured, dim=-1) if captured else None)
 
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +228,29 @@ class FastLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over (m, H) states -> (m, V), chunked like every linear in invariant mode."""
         return self.linear(self.model.get_output_embeddings(), hidden)
+
+
+COMPILERS = {"none": None, "inductor": "inductor", "count": "count"}  # engine.compile
+
+
+def compiled(fn, backend: str, device: torch.device):
+    """fn under torch.compile: the whole step as one graph (fullgraph: a graph break is an error),
+    shapes marked dynamic so the buckets share graphs; on a GPU inductor captures CUDA graphs
+    (mode reduce-overhead). backend="count" runs the captured graphs eagerly and counts them
+    (tests: recompilations stay bounded)."""
+    import torch._dynamo
+
+    if backend == "count":
+        def counting(gm, example_inputs):
+            compiled.graphs += 1
+            return gm.forward
+        return torch.compile(fn, backend=counting, dynamic=True, fullgraph=True)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, backend=backend, mode=mode, dynamic=True, fullgraph=True)
+
+
+compiled.graphs = 0  # graphs captured by backend="count"
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -289,13 +325,14 @@ class HFForward:
         return out.last_hidden_state, captured
 
 
-FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}
+FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 
 
-def make_forward(model, kind: str, max_rows: int, max_len: int, invariant: bool = False):
+def make_forward(model, kind: str, max_rows: int, max_len: int, invariant: bool = False, compile: str = "none"):
     """The verifier forward of `kind` (fast | hf | auto) with its own static cache; invariant:
-    FastLlama's shape-invariant mode (engine.invariant)."""
+    FastLlama's shape-invariant mode (engine.invariant); compile: none | inductor (engine.compile)."""
     choose(FORWARDS, kind, "engine.forward")
+    backend = choose(COMPILERS, compile, "engine.compile")
     if kind == "auto":
         kind = "hf" if fast_problem(model) else "fast"
     if invariant and kind != "fast":
@@ -305,4 +342,7 @@ def make_forward(model, kind: str, max_rows: int, max_len: int, invariant: bool 
     layers, kv_heads, head_dim = kv_shape(model)
     param = next(model.parameters())
     cache = StaticKV(layers, max_rows, kv_heads, max_len, head_dim, param.dtype, param.device)
-    return FastLlama(model, cache, invariant) if kind == "fast" else HFForward(model, cache)
+    if backend is not None and kind != "fast":
+        raise DraftsmithError(f"engine.compile={compile} compiles the fast forward, and engine.forward={kind} here: "
+                              f"set engine.compile=none or engine.forward=fast")
+    return FastLlama(model, cache, invariant, backend) if kind == "fast" else HFForward(model, cache)

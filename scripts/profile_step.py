@@ -32,7 +32,8 @@ KINDS = {"hf": "hf", "fast": "fast", "compiled": "fast"}
 
 def step_fn(model, kind: str, tokens: int, cache_len: int):
     """A closure running one verify step of `tokens` tokens over a `cache_len`-token cache."""
-    forward = make_forward(model, KINDS[kind], max_rows=1, max_len=cache_len + tokens + 64)
+    forward = make_forward(model, KINDS[kind], max_rows=1, max_len=cache_len + tokens + 64,
+                           compile="inductor" if kind == "compiled" else "none")
     device = model.device
     prompt = chain_tree(torch.randint(0, 1000, (cache_len,)).tolist(), device)
     first = batch_inputs([prompt], [0], cache_len, device)
@@ -41,12 +42,9 @@ def step_fn(model, kind: str, tokens: int, cache_len: int):
     inputs = batch_inputs([tree], [cache_len], tokens, device)
     length = cache_len + tokens
     allowed = inputs.allowed(length)
-    run = forward
-    if kind == "compiled":
-        run = torch.compile(forward.__call__, dynamic=False)
 
     def step():
-        hidden, _ = run(inputs.tokens, inputs.positions, inputs.slots, allowed, 1, length)
+        hidden, _ = forward(inputs.tokens, inputs.positions, inputs.slots, allowed, 1, length)
         model.lm_head(hidden[0])
         sync_device(device)
     return step
