@@ -379,17 +379,24 @@ class Engine:
         sync_device(self.device)
         t2 = time.perf_counter()
         order = torch.arange(width, device=self.device).repeat(len(rows), 1)  # (B, N)
-        results, start = [], 0
+        starts = torch.tensor([0] + [t.size for t in trees], device=self.device).cumsum(0)  # each row's first node
+        greedy = self._plain_greedy(rows, trees, logits, starts)  # root-only greedy rows, in one argmax
+        results, moved = [], False
         for b, (request, tree) in enumerate(zip(rows, trees)):
-            n = tree.size
+            if b in greedy:
+                results.append(([0], greedy[b]))
+                continue
+            start, n = int(starts[b]), tree.size
             rule = sampling.get_rule(request.rule_name)  # looked up per call, so a test can swap a rule in
             randomness = request.noise.at(len(request.ids)) if request.noise is not None else request.generator
             path, next_token = rule(tree, logits[start:start + n], request.params, randomness)
-            start += n
-            order[b, : len(path)] = torch.as_tensor(path, device=self.device)
+            if path != list(range(len(path))):  # a chain prefix stays where it is
+                order[b, : len(path)] = torch.as_tensor(path, device=self.device)
+                moved = True
             results.append((path, next_token))
-        base = torch.tensor([r.cache_len for r in rows], device=self.device)
-        self.forward.cache.compact(len(rows), base, order)
+        if moved:  # (every row's path a chain prefix: nothing to move)
+            base = torch.tensor([r.cache_len for r in rows], device=self.device)
+            self.forward.cache.compact(len(rows), base, order)
         layer_of = {layer: j for j, layer in enumerate(capture)}
         for b, (request, tree, ran, (path, next_token)) in enumerate(zip(rows, trees, proposed, results)):
             n = tree.size
@@ -407,6 +414,19 @@ class Engine:
                                           verify_s=t2 - t1, accept_s=t3 - t2)
         self.budget.observe(rows, trees, [len(p) - 1 for p, _ in results], inputs.tokens.numel(), t2 - t1, propose_s)
         self.last_step = {"rows": len(rows), "width": width, "drafting": sum(proposed), "verify_s": t2 - t1}
+
+    @staticmethod
+    def _plain_greedy(rows, trees, logits, starts) -> dict[int, int]:
+        """{row: next token} of the rows verifying their root alone under the greedy rule: one
+        argmax over their logits (what the greedy rule computes row by row, widened exactly as it
+        is, first index on ties)."""
+        if sampling.ACCEPTANCE_RULES.get("greedy") is not sampling._greedy_rule:
+            return {}  # a test swapped the rule in: every row goes through it
+        plain = [b for b, (r, t) in enumerate(zip(rows, trees)) if t.size == 1 and r.rule_name == "greedy"]
+        if not plain:
+            return {}
+        index = starts[torch.tensor(plain, device=logits.device)]
+        return dict(zip(plain, logits[index].argmax(dim=-1).tolist()))
 
     def _propose(self, request: Request, budget: int | None) -> tuple[DraftTree, bool]:
         """The row's tree for this step, cut to `budget` drafted nodes (0: the root alone, the
