@@ -211,6 +211,7 @@ PROPOSERS: dict[str, str] = {
     "vanilla": "draftsmith.decode.proposers:VanillaProposer",
     "medusa": "draftsmith.decode.proposers:MedusaProposer",
     "eagle": "draftsmith.decode.eagle:EagleProposer",
+    "peagle": "draftsmith.decode.peagle:PEagleProposer",
     "draft": "draftsmith.decode.draft:DraftModelProposer",
     "prompt_lookup": "draftsmith.decode.lookup:PromptLookupProposer",
     "lookahead": "draftsmith.decode.lookup:LookaheadProposer",
@@ -222,6 +223,7 @@ def make_proposer(name: str, **kwargs) -> Proposer:
 
     vanilla: (device="cpu"); medusa: (heads, paths, lm_head=None, device=None);
     eagle: (drafter, embed_tokens, lm_head, paths=None | depth, top_k, total_tokens, quant="none");
+    peagle: as eagle, with a P-EAGLE drafter (one forward drafts every depth);
     draft: (model, vocab_size, num_tokens, tree_topk, length_schedule, min_tokens, max_tokens, confidence, seed,
            vocab_rows=None, quant="none");
     prompt_lookup: (num_tokens, max_ngram, min_ngram, num_matches, device, retrieval=None);
@@ -257,7 +259,8 @@ def _medusa_from(drafter, verifier, d, seed):
 
 
 def _eagle_from(drafter, verifier, d, seed):
-    return make_proposer("eagle", drafter=drafter.module, embed_tokens=verifier.embed_tokens,
+    name = "peagle" if getattr(drafter.module.config, "parallel_tokens", 0) else "eagle"  # P-EAGLE: decode/peagle.py
+    return make_proposer(name, drafter=drafter.module, embed_tokens=verifier.embed_tokens,
                          lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"), **eagle_tree(d))
 
 
@@ -299,7 +302,7 @@ def with_lookup(proposer: Proposer, decode_cfg, tokenizer=None) -> Proposer:
     retrieval = retrieval_for(decode_cfg, tokenizer)
     if not n and retrieval is None:
         return proposer
-    if proposer.name not in ("eagle", "medusa", "draft"):
+    if proposer.name not in ("eagle", "peagle", "medusa", "draft"):
         what = f"decode.lookup_tokens={n}" if n else f"decode.datastore={decode_cfg.datastore}"
         raise DraftsmithError(f"{what}: the graft (prompt lookup, a datastore) grafts onto EAGLE, Medusa and "
                               f"draft-model trees only, not a {proposer.name} proposer's; "

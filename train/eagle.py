@@ -1,7 +1,8 @@
-"""Train an EAGLE-1 or EAGLE-3 drafter on a frozen verifier.
+"""Train an EAGLE-1, EAGLE-3 or P-EAGLE drafter on a frozen verifier.
 
     python train/eagle.py                                     # EAGLE-1 on SmolLM2-135M (offline default)
     python train/eagle.py method=eagle3 trainer.max_steps=200
+    python train/eagle.py method=peagle method.loss=lk trainer.max_steps=200
     python train/eagle.py method=eagle3 data.features=outputs/data/features-smollm2-135m-selfdistill
     accelerate launch train/eagle.py model=vicuna-7b-v1.3 data=sharegpt method=eagle3
 
@@ -12,11 +13,19 @@ unrolled n steps on its own outputs (step s, index t predicts f_{t+s+1} from its
 output), each step's queries attending to the real prefix and to their own earlier steps, as
 at decode time; step s has loss weight decay^s. Per step and position:
 
-    loss = w_feat * SmoothL1(f_hat, f) + w_cls * soft-CE(draft logits, verifier token law)
+    loss = w_feat * SmoothL1(f_hat, f) + w_cls * token loss(draft logits, verifier token law)
 
 on positions whose predicted token is an assistant token, with uniform noise on the verifier
-features (EAGLE's augmentation). Held-out evals unroll method.eval_steps steps and report each
-step's top-1 agreement with the verifier's greedy token and the simulated acceptance length.
+features (EAGLE's augmentation). The token loss is method.loss: ce (soft cross-entropy, EAGLE's),
+or an LK loss toward the acceptance rate itself (lk, nla: train/core/losses.py). Held-out evals
+unroll method.eval_steps steps and report each step's top-1 agreement with the verifier's greedy
+token and the simulated acceptance length.
+
+P-EAGLE (method=peagle: method.parallel_tokens = K): step 0 is EAGLE-3's; steps 1..K-1 read the
+placeholder (the embedding of method.mask_token_id, fc(mask_hidden)) at every index instead of
+the next token and the previous step's output, with the same keys (the real prefix up to t and
+index t's earlier steps) and positions t + s: exactly the slots the decoder appends after the
+root, so the K depths the decoder drafts in one forward are the K steps trained here.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ from draftsmith.models.vocab import IGNORE_INDEX, draft_vocab
 from draftsmith.train.core import loop
 from draftsmith.train.core.accel import global_counts
 from draftsmith.train.core.features import read_manifest
-from draftsmith.train.core.losses import simulated_tau
+from draftsmith.train.core.losses import TOKEN_LOSSES, simulated_tau, token_loss
 
 
 def shift(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -95,20 +104,25 @@ def target_law(drafter, target: dict, lm_head) -> torch.Tensor:
     return probs
 
 
-def unroll(drafter, embeds: torch.Tensor, feature: torch.Tensor, attn: torch.Tensor, steps: int):
+def unroll(drafter, embeds: torch.Tensor, feature: torch.Tensor, attn: torch.Tensor, steps: int,
+           placeholder: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Yield the drafter's predictions (B, T, H) of each unrolled step: at step s, index t holds
     the prediction of f_{t+s+1}, made from the real pairs up to t and its own steps before.
 
     embeds (B, T, H) of the tokens, feature (B, T, H) the drafter's input feature at each t,
-    attn (B, T) the padding mask. One cache holds every step's keys (see unroll_mask)."""
+    attn (B, T) the padding mask. One cache holds every step's keys (see unroll_mask).
+    placeholder (P-EAGLE): (embedding (H,), feature (H,)) that steps >= 1 read at every index
+    instead of the token x_{t+s+1} and the previous step's output."""
     B, T, _ = embeds.shape
     cache = getattr(drafter, "module", drafter).new_cache()
     pad_ok = shift(attn, 1, False)  # step-0 key j is the pair (x_{j+1}, f_j): real iff x_{j+1} is
     for s in range(steps):
         position_ids = (torch.arange(T, device=embeds.device) + s)[None].expand(B, T)  # (B, T)
         mask = unroll_mask(pad_ok, s, feature.dtype)
-        feature = drafter(shift(embeds, s + 1), feature, attention_mask=mask, position_ids=position_ids,
-                          cache=cache)  # (B, T, H); input token x_{t+s+1}
+        token = shift(embeds, s + 1)  # (B, T, H): input token x_{t+s+1}
+        if placeholder is not None and s > 0:
+            token, feature = (x.expand(B, T, -1) for x in placeholder)  # (B, T, H) each
+        feature = drafter(token, feature, attention_mask=mask, position_ids=position_ids, cache=cache)  # (B, T, H)
         yield feature
 
 
@@ -134,16 +148,20 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
     dtype = next(drafter_.parameters()).dtype  # DeepSpeed bf16 holds the drafter in bf16 (no autocast)
     feature = drafter_.input_features(source.to(dtype), source.to(dtype))  # (B, T, H)
     law = target_law(drafter_, inputs, lm_head)  # (B, T, V'): the targets of every step
+    placeholder = None
+    if drafter_.config.parallel_tokens:  # P-EAGLE: steps >= 1 are the placeholder slots
+        placeholder = (inputs["mask_embed"].to(dtype), drafter_.placeholder_features())  # (H,), (H,)
+    kind = getattr(mcfg, "loss", "ce")
     loss = hidden.new_zeros(())
     stats: dict[str, float] = {}
-    for s, feature in enumerate(unroll(drafter, inputs["embeds"].to(dtype), feature, attn, steps)):
+    for s, feature in enumerate(unroll(drafter, inputs["embeds"].to(dtype), feature, attn, steps, placeholder)):
         b, t = valid[s].nonzero(as_tuple=True)  # (N,) each: step s predicts position t + s + 1 (< T: valid)
         pred = feature[b, t]  # (N, H)
         f_true = hidden[b, t + s + 1].to(pred.dtype)  # (N, H)
         probs = law[b, t + s + 1]  # (N, V')
         logits = drafter_.logits(pred, lm_head).float()  # (N, V')
         feat_sum = F.smooth_l1_loss(pred.float(), f_true.float(), reduction="sum") / pred.shape[-1]
-        cls_sum = -(probs * torch.log_softmax(logits, dim=-1)).sum()
+        cls_sum = token_loss(logits, probs, kind)
         step_sum = mcfg.w_feat * feat_sum + mcfg.w_cls * cls_sum
         loss = loss + mcfg.decay ** s * step_sum * (world / max(float(counts[s]), 1.0))
         with torch.no_grad():  # every key on every process, even without rows (stats are summed across them)
@@ -154,8 +172,9 @@ def eagle_loss(drafter, inputs: dict, lm_head, mcfg, steps: int, noise: float = 
 
 
 @torch.no_grad()
-def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
-    """What the loss needs from the frozen verifier: stored offline, or computed now (fp32)."""
+def verifier_inputs(verifier, batch, layers: list[int], embed, mask_token_id: int | None = None) -> dict:
+    """What the loss needs from the frozen verifier: stored offline, or computed now (fp32);
+    with a P-EAGLE mask token, its embedding (H,) as mask_embed."""
     if "hidden" in batch:
         feats = {k: batch[k] for k in ("hidden", "layer_hidden", "topk_values", "topk_indices") if k in batch}
         if layers and "layer_hidden" not in feats:
@@ -166,13 +185,15 @@ def verifier_inputs(verifier, batch, layers: list[int], embed) -> dict:
     out = {k: (v.float() if v.is_floating_point() else v) for k, v in feats.items()}
     out.update(labels=batch["labels"], attention_mask=batch["attention_mask"],
                embeds=embed(batch["input_ids"]).float())
+    if mask_token_id is not None:
+        out["mask_embed"] = embed(torch.tensor([mask_token_id], device=batch["input_ids"].device))[0].float()
     return out
 
 
-def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed, lm_head) -> dict:
+def evaluate(verifier, drafter, loader, accelerator, mcfg, layers, embed, lm_head, mask_token_id=None) -> dict:
     """Held-out loss, per unrolled step top-1 agreement with the verifier, simulated tau."""
     totals, loss = loop.held_out_totals(accelerator, drafter, loader, lambda batch: eagle_loss(
-        drafter, verifier_inputs(verifier, batch, layers, embed), lm_head, mcfg, mcfg.eval_steps))
+        drafter, verifier_inputs(verifier, batch, layers, embed, mask_token_id), lm_head, mcfg, mcfg.eval_steps))
     metrics = {"eval/loss": loss}
     top1 = []
     for s in range(mcfg.eval_steps):
@@ -197,7 +218,27 @@ def drafter_config(cfg, verifier, hf_config: dict, num_layers: int, stored_layer
                        decoder_config=hf_config, variant=mcfg.variant, fusion_layers=layers,
                        draft_vocab_size=mcfg.draft_vocab_size, lm_head=mcfg.lm_head,
                        attn_implementation=mcfg.attn_implementation,
-                       norm_before_residual=bool(mcfg.get("norm_before_residual", False)))
+                       norm_before_residual=bool(mcfg.get("norm_before_residual", False)),
+                       parallel_tokens=mcfg.get("parallel_tokens", 0), mask_token_id=mcfg.get("mask_token_id"))
+
+
+def unrolled_steps(mcfg) -> int:
+    """Training steps unrolled: EAGLE's method.ttt_steps, or P-EAGLE's method.parallel_tokens
+    (the depths its one forward drafts); a key of the other method is refused, as are held-out
+    steps beyond the depths a P-EAGLE drafter is trained for."""
+    choose(TOKEN_LOSSES, mcfg.get("loss", "ce"), "method.loss")
+    parallel = mcfg.get("parallel_tokens")
+    if parallel is None:
+        return int(mcfg.ttt_steps)
+    if mcfg.get("ttt_steps") is not None:
+        raise DraftsmithError(f"method.ttt_steps={mcfg.ttt_steps} is EAGLE's sequential unroll; a P-EAGLE run trains "
+                              f"method.parallel_tokens={parallel} depths instead: drop one of them (method=peagle "
+                              f"has no ttt_steps)")
+    if int(mcfg.eval_steps) > int(parallel):
+        raise DraftsmithError(f"method.eval_steps={mcfg.eval_steps} > method.parallel_tokens={parallel}: a P-EAGLE "
+                              f"drafter drafts {parallel} tokens per forward, deeper slots are untrained; set "
+                              f"method.eval_steps <= {parallel}")
+    return int(parallel)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -206,6 +247,7 @@ def run(cfg: DictConfig) -> dict:
     if mcfg.fc_init == "passthrough" and cfg.trainer.init_from:
         raise DraftsmithError(f"method.fc_init=passthrough would be overwritten by trainer.init_from="
                               f"{cfg.trainer.init_from}; drop one of them")
+    steps = unrolled_steps(mcfg)
     accelerator = loop.start(cfg)
     frozen = loop.frozen_verifier(cfg, accelerator, embedding=True)  # online, or only its lm_head and embedding
     verifier, lm_head, embed = frozen.verifier, frozen.lm_head, frozen.embed
@@ -225,23 +267,26 @@ def run(cfg: DictConfig) -> dict:
     warm = loop.warm_start(cfg.trainer.init_from, drafter, "eagle", cfg.trainer.keep_vocab)
     drafter.to(accelerator.device)
 
+    mask_id = config.mask_token_id
+
     def loss_step(model, batch):
         """The loss step: frozen verifier states, then the unrolled drafter's feature + token loss."""
-        inputs = verifier_inputs(verifier, batch, layers, embed)
+        inputs = verifier_inputs(verifier, batch, layers, embed, mask_id)
         with accelerator.autocast():
-            loss, stats = eagle_loss(model, inputs, lm_head, mcfg, mcfg.ttt_steps, mcfg.noise,
-                                     global_counts(accelerator))
+            loss, stats = eagle_loss(model, inputs, lm_head, mcfg, steps, mcfg.noise, global_counts(accelerator))
         return loss, loop.loss_logs(stats)
 
     return loop.fit(cfg, accelerator, data, loop.Recipe(
         name=mcfg.name, model=drafter, param_groups=[{"params": [p for p in drafter.parameters() if p.requires_grad]}],
         loss_step=loss_step,
-        evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg, layers, embed, lm_head),
+        evaluate=lambda model: evaluate(verifier, model, eval_loader, accelerator, mcfg, layers, embed, lm_head, mask_id),
         save=loop.drafter_saver(cfg, accelerator, "eagle", config, verifier, warm_start=warm),
         best_key="eval/simulated_tau", probe=loop.probe_on(cfg, accelerator, frozen),
         report=lambda m: loop.top1_report(m, "step{}_top1", "s", mcfg.eval_steps),
-        describe=f"{config.variant} drafter (fusion layers {layers or '-'}; draft vocab {config.num_draft_tokens}), "
-                 f"{frozen.describe()}"))
+        describe=f"{'P-EAGLE' if config.parallel_tokens else config.variant} drafter (fusion layers {layers or '-'}; "
+                 f"draft vocab {config.num_draft_tokens}"
+                 f"{f'; {config.parallel_tokens} tokens a forward' if config.parallel_tokens else ''}; "
+                 f"{mcfg.get('loss', 'ce')} loss), {frozen.describe()}"))
 
 
 if __name__ == "__main__":

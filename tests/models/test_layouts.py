@@ -365,7 +365,7 @@ def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, dr
 @pytest.mark.parametrize("edit,needle", [
     (lambda s: s.pop("norm_before_residual"), "no norm_before_residual: vLLM reads it as true, speculators as false"),
     (lambda s: s.update(speculators_model_type="dflash"), "is a speculators 'dflash' model; draftsmith imports "
-                                                          "speculators eagle3 folders only"),
+                                                          "speculators eagle3 and peagle folders only"),
     (lambda s: s.update(norm_before_fc=True), "sets norm_before_fc=true; draftsmith's EAGLE-3 has no such variant"),
 ])
 def test_speculators_folders_draftsmith_cannot_read_are_refused(edit, needle, drafters, verifier_dir, tmp_path):

@@ -72,5 +72,5 @@ def test_acceptance_rate_is_one_minus_tvd_and_chain_tau():
 
 
 def test_unknown_divergence_lists_the_valid_ones():
-    with pytest.raises(DraftsmithError, match="method.divergence='kl' is not known; valid: fkl, jsd, rkl, tvd"):
+    with pytest.raises(DraftsmithError, match="method.divergence=.kl. is not known; valid: fkl, jsd, lk, nla, rkl, tvd"):
         divergence(logits(Q), logits(P), "kl")

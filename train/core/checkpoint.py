@@ -22,7 +22,7 @@ VOLATILE = ("trainer.max_steps", "trainer.eval_every", "trainer.save_every", "tr
             "trainer.keep_last", "trainer.threads", "trainer.max_minutes", "logger", "output_dir", "hydra",
             "probe")  # the probe is measured after training
 WARM_START_KEYS = ("trainer.init_from", "trainer.keep_vocab")  # left out without a warm start: older runs resume
-LATER_KEYS = {"method.fc_init": "random"}  # keys added since: left out at their default, so older runs resume
+LATER_KEYS = {"method.fc_init": "random", "method.loss": "ce"}  # keys added since: left out at their default, so older runs resume
 
 
 def config_digest(cfg) -> str:
