@@ -71,7 +71,7 @@ def run(fwd, trees, lens):
     return [fwd.logits(hidden[b, : t.size]) for b, t in enumerate(trees)]
 
 
-def mismatches(model, invariant: bool) -> int:
+def mismatches(model, invariant: bool) -> int:  # (vocabulary 49,152: SmolLM2 too)
     """Path tokens whose logits in a tree / a batch differ from their plain step's."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 49152, (37,), generator=g).tolist()
@@ -142,3 +142,23 @@ def test_speculative_output_is_plain_output_in_low_precision(wide, dtype):
 def test_invariant_needs_the_fast_forward(wide):
     with pytest.raises(DraftsmithError, match="engine.invariant=true needs the fast forward"):
         make_forward(wide[torch.float32], "hf", 1, 16, invariant=True)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_real_smollm2_in_low_precision(dtype):
+    """SmolLM2-135M-Instruct itself: every path token's logits in trees of 2-33 nodes and beside
+    other rows equal its plain step's, bit for bit; speculative greedy output is plain output on
+    chat prompts (prompt lookup drafts, accepted several deep), no tie allowance."""
+    from draftsmith.decode.evaluate import prompt_ids
+    from draftsmith.models.verifier import load_verifier
+    from tests.hub import compose_config
+
+    v = load_verifier(compose_config("evaluate", [f"model.dtype={dtype}"]).model)
+    assert mismatches(v.model, invariant=True) == 0
+    for text in ("Write a short poem about the sea, then repeat its first line.", "List the days of the week."):
+        ids = prompt_ids(v.tokenizer, [{"role": "user", "content": text}])
+        plain = generate(v.model, ids, max_new_tokens=40, invariant=True)
+        spec = generate(v.model, ids, proposer=make_proposer("prompt_lookup", num_tokens=6, max_ngram=3),
+                        max_new_tokens=40, invariant=True)
+        assert spec.tokens == plain.tokens, (dtype, text)
