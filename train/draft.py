@@ -7,7 +7,7 @@
     accelerate launch --config_file conf/accelerate/zero3-8gpu.yaml train/draft.py model=llama3.1-8b-instruct
 
 Loss at every supervised (assistant) position t: D(p_t || q_t) with p = softmax(verifier / T),
-q = softmax(student / T), D = method.divergence in {fkl, rkl, jsd, tvd} (train/core/losses.py).
+q = softmax(student / T), D = method.divergence in {fkl, rkl, jsd, tvd, lk, nla} (train/core/losses.py).
 Data is fixed (the conversations, e.g. self-distilled) or, with probability
 method.onpolicy.ratio per step, on-policy: the student samples the answers to the batch's
 prompts and the verifier scores them (DistillSpec: on-policy data raises acceptance).

@@ -127,3 +127,24 @@ def test_a_differentiated_lambda_fails_the_gradient_test(monkeypatch):
     monkeypatch.setitem(losses.DIVERGENCES, "lk", lk_no_sg)
     with pytest.raises(AssertionError):
         test_lambda_is_a_weight_not_differentiated()
+
+
+@pytest.mark.parametrize("kind", ["lk", "nla"])
+def test_a_draft_model_trains_with_an_lk_loss(tiny_model_dir, tmp_path, kind):
+    """Draft models select the loss with method.divergence (their loss key): the LK losses train
+    the student toward a higher acceptance rate (tests/train/test_draft_train.py's settings)."""
+    from draftsmith.models.draft import load_draft_model
+    from draftsmith.train.draft import run
+    from tests.conftest import tiny_model_overrides
+    from tests.hub import compose_config
+    from tests.train.test_draft_train import _metric
+
+    out = tmp_path / "run"
+    summary = run(compose_config("draft", tiny_model_overrides(tiny_model_dir) + [
+        "data=tiny", "trainer=debug", "trainer.batch_size=16", "trainer.max_steps=4", "trainer.eval_every=2",
+        "logger=csv", f"output_dir={out}", "method.student.num_layers=1", "method=draft-fkl",
+        f"method.divergence={kind}", f"method.name=draft-{kind}"]))
+    losses, accept = _metric(out, "train/loss"), _metric(out, "train/acceptance_rate")
+    assert len(losses) == 4 and losses[-1] < losses[0] and accept[-1] > accept[0], (losses, accept)
+    _, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
+    assert meta["divergence"] == kind and 0 < summary["eval/acceptance_rate"] <= 1
