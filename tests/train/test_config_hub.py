@@ -26,7 +26,7 @@ def test_every_main_config_composes_with_every_model(main, model):
     cfg = compose_config(main, [f"model={model}"])
     assert cfg.model.name == model
     # null: the dtype comes from elsewhere (refresh: the old run's; bench_decode: each of dtypes)
-    assert cfg.model.dtype in ("float32", "bfloat16", "float16") or (main in ("refresh", "bench_decode", "profile_step")
+    assert cfg.model.dtype in ("float32", "bfloat16", "float16") or (main in ("refresh", "bench_decode", "profile_step", "bench_invariance")
                                                                      and cfg.model.dtype is None)
     for key in cfg:  # everything resolves (interpolations included)
         _ = cfg[key]
