@@ -551,6 +551,7 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
     if recipe.probe is not None and cfg.probe.num_prompts and accelerator.is_main_process:
         with whole_models():
             probe = record_probe(cfg, data, *recipe.probe(final))
+    accelerator.wait_for_everyone()  # the other ranks wait for the probe: no rank tears the group down early
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, which the entry
         tracker.finish()                  # script's launch() does at exit (scripts/refresh.py trains twice)
     probed = "" if probe is None else f"; probe tau {probe['tau']:.2f} in {probe['seconds']:.0f}s"
