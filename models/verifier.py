@@ -171,6 +171,7 @@ def _convert_gguf(model_cfg, target: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32, **NO_HUB_KERNELS)
         if hasattr(model.config, "quantization_config"):  # GGUF weights are already dequantized here
             del model.config.quantization_config
+        model.config.architectures = [type(model).__name__]  # what other converters read (llama.cpp's); not fingerprinted
         tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
