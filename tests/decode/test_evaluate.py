@@ -89,7 +89,7 @@ def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_mo
                       "data.num_prompts=1", "max_new_tokens=4"))
     assert list(report["methods"]) == ["vanilla"] and report["methods"]["vanilla"]["tau"] == 1.0
     assert report["device"] == str(resolve_device("auto"))  # device=auto: where it decoded, in results.json
-    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: draft, eagle, lookahead, medusa, prompt_lookup, vanilla"):
+    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: draft, eagle, lookahead, medusa, peagle, prompt_lookup, vanilla"):
         run(_cfg(tiny_model_dir, tmp_path / "eval", "method.proposer=eagle9"))
 
 

@@ -167,9 +167,9 @@ def test_typical_walk_applies_temperature():
 def test_typical_walk_docstring_and_registry():
     assert typical_walk.__doc__.startswith("LOSSY:")
     assert LOSSY_RULES == {"typical"}
-    assert set(ACCEPTANCE_RULES) == {"greedy", "rejection", "typical"}
+    assert set(ACCEPTANCE_RULES) == {"greedy", "rejection", "coupled", "typical"}
     assert get_rule("greedy") is sampling._greedy_rule and get_rule("rejection") is sampling._rejection_rule
-    with pytest.raises(ValueError, match="greedy, rejection, typical"):
+    with pytest.raises(ValueError, match="coupled, greedy, rejection, typical"):
         get_rule("medusa")
 
 
