@@ -359,13 +359,14 @@ class Engine:
         rows = self.decoding
         t0 = time.perf_counter()
         budgets = self.budget.choose(rows)
+        batched = self._propose_batched(rows, budgets)  # rows whose drafters propose together
         trees, proposed, propose_s = [], [], []
-        for request, budget in zip(rows, budgets):
+        for b, (request, budget) in enumerate(zip(rows, budgets)):
             t = time.perf_counter()
-            tree, ran = self._propose(request, budget)
+            tree, ran = batched[b] if b in batched else self._propose(request, budget)
             trees.append(tree)
             proposed.append(ran)
-            propose_s.append(time.perf_counter() - t)
+            propose_s.append(batched.seconds.get(b, 0.0) + time.perf_counter() - t)
         sync_device(self.device)
         t1 = time.perf_counter()
         width = width_bucket(max(t.size for t in trees))
@@ -427,6 +428,35 @@ class Engine:
             return {}
         index = starts[torch.tensor(plain, device=logits.device)]
         return dict(zip(plain, logits[index].argmax(dim=-1).tolist()))
+
+    def _propose_batched(self, rows: list[Request], budgets: list) -> "_Batched":
+        """{row: (tree, True)} for the drafting rows whose proposers share a batch_key: one
+        propose_batch call per group (a Medusa drafter: the heads of every row in one call)."""
+        groups: dict = {}
+        for b, (request, budget) in enumerate(zip(rows, budgets)):
+            key = request.proposer.batch_key() if budget != 0 else None
+            if key is not None:
+                groups.setdefault(key, []).append(b)
+        out = _Batched()
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            t = time.perf_counter()
+            proposers = [rows[b].proposer for b in members]
+            try:
+                trees = type(proposers[0]).propose_batch(proposers, [rows[b].root for b in members],
+                                                         [rows[b].hidden_last for b in members],
+                                                         [rows[b].ids for b in members])
+            except Exception:  # noqa: BLE001 - each row proposes alone, and one that raises fails alone
+                continue
+            share = (time.perf_counter() - t) / len(members)
+            for b, tree in zip(members, trees):
+                budget = budgets[b]
+                if budget is not None and tree.size > budget + 1 and getattr(rows[b].proposer, "cuttable", True):
+                    tree = truncate(tree, budget + 1)
+                out[b] = (tree, True)
+                out.seconds[b] = share
+        return out
 
     def _propose(self, request: Request, budget: int | None) -> tuple[DraftTree, bool]:
         """The row's tree for this step, cut to `budget` drafted nodes (0: the root alone, the
@@ -526,6 +556,14 @@ class Engine:
                 other.row = request.row
             request.row = target
         self.decoding.append(request)
+
+
+class _Batched(dict):
+    """Trees proposed by groups ({row: (tree, True)}) and each row's share of the time."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: dict[int, float] = {}
 
 
 @dataclass

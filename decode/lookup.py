@@ -223,7 +223,20 @@ class PromptLookupGraft(Proposer):
         self.inner.prefill(prompt_ids, hidden, sampling, **extra)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
-        tree = self.inner.propose(root, hidden, ids)
+        return self.grafted(self.inner.propose(root, hidden, ids), ids)
+
+    def batch_key(self):
+        key = self.inner.batch_key()
+        return None if key is None else ("graft", key)
+
+    @staticmethod
+    def propose_batch(proposers, roots, hiddens, ids) -> list[DraftTree]:
+        inner = [p.inner for p in proposers]
+        trees = type(inner[0]).propose_batch(inner, roots, hiddens, ids)
+        return [p.grafted(tree, i) for p, tree, i in zip(proposers, trees, ids)]
+
+    def grafted(self, tree: DraftTree, ids: list[int]) -> DraftTree:
+        """The drafter's tree with the prompt-lookup / datastore continuations grafted on."""
         if not self.active:
             return tree
         if tree.draft_probs is not None:

@@ -106,6 +106,17 @@ class Proposer:
     def seed_draws(self, seed: int) -> None:
         """Reseed the proposer's own draws for the next call (only when ``samples_drafts``)."""
 
+    def batch_key(self):
+        """Rows whose proposers return the same key (not None) are proposed together by
+        ``type(self).propose_batch`` (one drafter call for all of them); None: alone."""
+        return None
+
+    @staticmethod
+    def propose_batch(proposers: list["Proposer"], roots: list[int], hiddens: list[torch.Tensor],
+                      ids: list[list[int]]) -> list["DraftTree"]:
+        """Each proposer's ``propose``, for rows of one batch_key: the same trees, fewer calls."""
+        return [p.propose(r, h, i) for p, r, h, i in zip(proposers, roots, hiddens, ids)]
+
     def fork(self) -> "Proposer":
         """A proposer for another sequence decoded at the same time (a server's rows): it shares
         what is read only (the drafter's weights, trees, datastores) and owns its state, which
@@ -193,16 +204,26 @@ class MedusaProposer(Proposer):
         return self.heads(hidden, self.lm_head, num_heads=self.depth)
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
-        device = self.buffers.parents.device
-        root_t = torch.tensor([root], dtype=torch.long, device=device)  # (1,)
-        if self.depth == 0:
-            tokens = root_t
+        return self.propose_batch([self], [root], [hidden], [ids])[0]
+
+    def batch_key(self):
+        return ("medusa", id(self.heads), id(self.buffers), id(self.lm_head))  # forks share all three
+
+    @staticmethod
+    def propose_batch(proposers, roots, hiddens, ids) -> list[DraftTree]:
+        """Every row's heads in ONE call over the stacked states (m, H) -> each row's tree."""
+        first = proposers[0]
+        device = first.buffers.parents.device
+        roots_t = torch.tensor(roots, dtype=torch.long, device=device)[:, None]  # (m, 1)
+        if first.depth == 0:
+            tokens = roots_t
         else:
-            logits = self.head_logits(hidden.to(self.dtype))  # (D, V)
-            candidates = torch.topk(logits, self.topk, dim=-1).indices  # (D, topk)
-            drafted = candidates[self.head_index, self.rank_index]  # (n-1,)
-            tokens = torch.cat([root_t, drafted])  # (n,)
-        return DraftTree(tokens=tokens, parents=self.buffers.parents, buffers=self.buffers, is_chain=self.is_chain)
+            logits = first.head_logits(torch.stack(hiddens).to(first.dtype))  # (D, m, V)
+            candidates = torch.topk(logits, first.topk, dim=-1).indices  # (D, m, topk)
+            drafted = candidates[first.head_index, :, first.rank_index].T  # (m, n-1)
+            tokens = torch.cat([roots_t, drafted], dim=1)  # (m, n)
+        return [DraftTree(tokens=row, parents=first.buffers.parents, buffers=first.buffers, is_chain=first.is_chain)
+                for row in tokens]
 
 
 # name -> "module:Class". Proposers in other modules are imported when first built (they

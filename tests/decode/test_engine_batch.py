@@ -199,3 +199,27 @@ def test_a_cancelled_row_leaves_at_the_next_step(setup):
     while engine.busy:
         engine.step()
     assert keep.out == reference(model, torch.tensor([prompt(41, 6)]), max_new_tokens=24, eos_token_id=None)
+
+
+def test_forked_drafters_propose_together_and_stay_lossless(setup, monkeypatch):
+    """Rows forked from one Medusa proposer (with prompt lookup grafted on) share a batch_key: the
+    heads of every drafting row run in one call per step, and every row is still its own greedy
+    output."""
+    from draftsmith.decode.lookup import PromptLookupGraft
+    from draftsmith.decode.proposers import MedusaProposer
+
+    model, factories = setup
+    template = PromptLookupGraft(factories["medusa"](), num_tokens=4, max_ngram=2)
+    calls = []
+    real = MedusaProposer.propose_batch
+    monkeypatch.setattr(MedusaProposer, "propose_batch",
+                        staticmethod(lambda ps, *a: (calls.append(len(ps)), real(ps, *a))[1]))
+    engine = Engine(model, max_num_seqs=3)
+    rows = [engine.add(prompt(70 + i, 6 + 3 * i), proposer=template.fork(), max_new_tokens=20, eos_token_id=())
+            for i in range(3)]
+    while engine.busy:
+        engine.step()
+    for i, row in enumerate(rows):
+        assert row.out == reference(model, torch.tensor([prompt(70 + i, 6 + 3 * i)]), max_new_tokens=20,
+                                    eos_token_id=None)
+    assert max(calls) == 3  # three rows' heads in one call
