@@ -370,7 +370,7 @@ class Engine:
         sync_device(self.device)
         t1 = time.perf_counter()
         width = width_bucket(max(t.size for t in trees))
-        inputs = batch_inputs(trees, [r.cache_len for r in rows], width, self.device)
+        inputs = batch_inputs(trees, [r.cache_len for r in rows], width, self.device, self.forward.cache.max_len)
         length = _slot_bucket(max(r.cache_len for r in rows) + width, self.forward.cache.max_len)
         capture = sorted({i for r in rows for i in r.capture})
         hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length),
@@ -434,7 +434,8 @@ class Engine:
         propose_batch call per group (a Medusa drafter: the heads of every row in one call)."""
         groups: dict = {}
         for b, (request, budget) in enumerate(zip(rows, budgets)):
-            key = request.proposer.batch_key() if budget != 0 else None
+            batch_key = getattr(request.proposer, "batch_key", None)  # a duck-typed proposer may lack the hook
+            key = batch_key() if batch_key is not None and budget != 0 else None
             if key is not None:
                 groups.setdefault(key, []).append(b)
         out = _Batched()
@@ -504,7 +505,7 @@ class Engine:
         trees = [chain_tree(tokens, self.device) for _, tokens in chunks]
         width = max(t.size for t in trees)
         rows = torch.tensor([r.row for r, _ in chunks], device=self.device)
-        inputs = batch_inputs(trees, [r.fed for r, _ in chunks], width, self.device)
+        inputs = batch_inputs(trees, [r.fed for r, _ in chunks], width, self.device, self.forward.cache.max_len)
         length = _slot_bucket(max(r.fed for r, _ in chunks) + width, self.forward.cache.max_len)
         capture = sorted({i for r, _ in chunks for i in r.capture})
         hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), rows,
@@ -586,8 +587,12 @@ class BatchInputs:
         return allowed
 
 
-def batch_inputs(trees: list[DraftTree], cache_lens: list[int], width: int, device) -> BatchInputs:
-    """Pad every row's tree to `width` nodes: tokens, depth positions, cache slots, ancestors."""
+def batch_inputs(trees: list[DraftTree], cache_lens: list[int], width: int, device,
+                 max_len: int | None = None) -> BatchInputs:
+    """Pad every row's tree to `width` nodes: tokens, depth positions, cache slots, ancestors.
+    max_len: the cache's slots per row; a pad node whose slot would fall past it (a short row
+    beside a wide one near the end of its reservation) writes to the row's last slot instead,
+    which no real node of the row reaches (Engine._reserve keeps 2 * SLOT_BUCKET spare)."""
     B = len(trees)
     tokens = torch.zeros(B, width, dtype=torch.long, device=device)
     ancestors = torch.eye(width, dtype=torch.bool, device=device).repeat(B, 1, 1)  # (B, N, N)
@@ -601,6 +606,8 @@ def batch_inputs(trees: list[DraftTree], cache_lens: list[int], width: int, devi
     lens = torch.tensor(cache_lens, dtype=torch.long, device=device)
     depths = ancestors.sum(-1) - 1  # (B, N); a pad node: depth 0
     slots = lens[:, None] + torch.arange(width, device=device)[None]
+    if max_len is not None:
+        slots = slots.clamp(max=max_len - 1)  # only pad nodes reach it
     return BatchInputs(tokens, lens[:, None] + depths, slots, ancestors, lens, real)
 
 

@@ -223,3 +223,20 @@ def test_forked_drafters_propose_together_and_stay_lossless(setup, monkeypatch):
         assert row.out == reference(model, torch.tensor([prompt(70 + i, 6 + 3 * i)]), max_new_tokens=20,
                                     eos_token_id=None)
     assert max(calls) == 3  # three rows' heads in one call
+
+
+@pytest.mark.parametrize("forward", ["hf", "fast"])
+def test_a_short_chunk_beside_a_wide_one_stays_inside_the_cache(setup, forward):
+    """Near the end of a row's reserved slots, its last prompt chunk (44 tokens) is padded to the
+    width of another row's first chunk (212): the pad nodes' slots would run past the cache
+    (256 + 212 > 430). They must land inside it, and both rows stay their own greedy output."""
+    model, _ = setup
+    engine = Engine(model, max_num_seqs=2, max_len=430, forward=forward, prefill_chunk=256)
+    long, short = prompt(90, 300), prompt(91, 212)
+    rows = [engine.add(p, max_new_tokens=2, eos_token_id=()) for p in (long, short)]
+    while engine.busy:
+        engine.step()
+    assert engine.forward.cache.max_len == 430  # no growth hid the overflow
+    for p, row in zip((long, short), rows):
+        assert row.error is None and row.out == reference(model, torch.tensor([p]), max_new_tokens=2,
+                                                          eos_token_id=None)

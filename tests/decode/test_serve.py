@@ -467,3 +467,24 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_serving(tiny_model_dir, dr
     with pytest.raises(DraftsmithError, match=r"^engine.max_num_seqs=100000000 rows x \d+ slots .* need [\d.]+ GB of KV "
                                               r"cache and [\d.]+ GB are free: lower engine.max_num_seqs"):
         Serving(serve_cfg(tiny_model_dir, drafter, "engine.max_num_seqs=100000000"))
+
+
+def test_engine_compile_reaches_the_servers_engine(tiny_model_dir, drafter):
+    """engine.compile=count: the server's step runs as captured graphs (counted), and its reply is
+    the uncompiled server's; an unknown compiler is refused in one line naming the key."""
+    from draftsmith.decode.forward import compiled
+    from draftsmith.models.errors import DraftsmithError
+
+    replies = []
+    for mode in ("none", "count"):
+        before = compiled.graphs
+        s = Server(serve_cfg(tiny_model_dir, drafter, "engine.forward=fast", f"engine.compile={mode}"))
+        try:
+            replies.append(s.client.completions.create(model="tiny", prompt="tell me about cats", max_tokens=12,
+                                                       temperature=0).choices[0].text)
+        finally:
+            s.stop()
+        assert (compiled.graphs > before) == (mode == "count")
+    assert replies[0] == replies[1]
+    with pytest.raises(DraftsmithError, match="engine.compile"):
+        Serving(serve_cfg(tiny_model_dir, drafter, "engine.compile=tensorrt"))

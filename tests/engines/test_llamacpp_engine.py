@@ -280,7 +280,7 @@ def test_bench_peers_times_llamacpp_beside_draftsmith(setup, exported, tmp_path)
     from scripts.bench_peers import run as bench
 
     model = setup["verifier"].model
-    heads_cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=2)
+    heads_cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=4)
     medusa = save_drafter(tmp_path / "medusa", "medusa", MedusaHeads(heads_cfg, model.get_output_embeddings()),
                           heads_cfg, verifier_fingerprint=fingerprint(model), verifier_name="words")
     drafters = {"eagle3": exported["eagle3"][0], "draft": exported["draft"][0], "medusa": medusa}

@@ -345,7 +345,7 @@ def test_bench_peers_times_vllm_beside_draftsmith(engine, tmp_path):
     from scripts.bench_peers import run as bench
 
     report = bench(compose_config("bench_peers", engine["model_overrides"] + [
-        "data=tiny", "data.num_prompts=2", "max_new_tokens=12", "threads=1", "vllm_threads=1",
+        "data=tiny", "data.num_prompts=2", "max_new_tokens=12", "threads=1", "vllm_threads=1", "llamacpp=null",
         f"drafters={{eagle3: {engine['drafters']['eagle3']}}}", f"k={K}", "max_model_len=512", "kv_cache_mib=64",
         f"output_dir={tmp_path}"]))
     rows = {(r["engine"].split()[0], r["row"], r["batch"] > 1): r for r in report["rows"]}
