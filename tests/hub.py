@@ -1,6 +1,7 @@
-"""Compose the project's Hydra configs in tests exactly as the entry scripts do."""
+"""Test utilities: compose the project's Hydra configs exactly as the entry scripts do; a free port."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -11,3 +12,10 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def compose_config(name: str, overrides: list[str] | None = None):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=name, overrides=overrides or [], return_hydra_config=False)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a port per launch: fixed ones collide between xdist workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

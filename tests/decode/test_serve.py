@@ -23,7 +23,7 @@ from draftsmith.models.checkpoint import save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.verifier import fingerprint
-from scripts.bench_serve import free_port
+from tests.hub import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama

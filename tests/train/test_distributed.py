@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.models.checkpoint import load_drafter
-from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
+from tests.hub import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
 from tests.tiny import tiny_llama, tiny_tokenizer
 

@@ -13,7 +13,7 @@ from draftsmith.train.core.features import FeatureDataset, collate_features, rea
 from draftsmith.train.medusa import medusa_loss
 from draftsmith.train.medusa import run as train
 from scripts.prepare_features import run as prepare
-from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
+from tests.hub import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 

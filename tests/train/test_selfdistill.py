@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.sources import DataError, load_conversations, read_jsonl
 from draftsmith.train.core.data import check_data_verifier, tokenize_conversations
-from scripts.bench_serve import free_port  # a port per launch: fixed ones collide between xdist workers
+from tests.hub import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
