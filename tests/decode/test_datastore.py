@@ -35,6 +35,7 @@ from draftsmith.decode.proposers import with_lookup
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.decode.test_engine import (
+    engine_counts,
     LAW_PROMPT,
     V,
     RecordingRule,
@@ -44,7 +45,6 @@ from tests.decode.test_engine import (
     null_tv,
     residual_from_p_walk,
 )
-from tests.decode.test_eagle_decode import law_counts
 from tests.decode.test_lookup_graft import CONF, GRAFTED_PRESETS, greedy_setup, inner_proposer  # noqa: F401
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_tokenizer
@@ -199,7 +199,7 @@ def test_sampling_law_with_a_datastore_is_the_verifiers(monkeypatch):
     law = exact_law(model, 1.0, 0, 1.0)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
-    counts = law_counts(model, law_retrieval_proposer(), LAW_SAMPLES, 1.0, 0, 1.0, seed=2)
+    counts = engine_counts(model, law_retrieval_proposer(), LAW_SAMPLES, 1.0, 0, 1.0, seed=2)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0
     assert pvalue > 1e-3, (pvalue, tv)
@@ -212,7 +212,7 @@ def test_sampling_law_with_a_datastore_catches_a_broken_rule(monkeypatch):
     model = law_model(10.0)
     law = exact_law(model, 1.0, 0, 1.0)
     monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
-    counts = law_counts(model, law_retrieval_proposer(), 2_000, 1.0, 0, 1.0, seed=2)
+    counts = engine_counts(model, law_retrieval_proposer(), 2_000, 1.0, 0, 1.0, seed=2)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
 

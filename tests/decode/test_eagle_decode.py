@@ -20,7 +20,7 @@ from draftsmith.models.eagle import EagleConfig, EagleDrafter
 from draftsmith.models.vocab import draft_vocab
 from draftsmith.train.eagle import eagle_loss
 from tests.decode.test_engine import (
-    LAW_PROMPT,
+    engine_counts,
     RecordingRule,
     V,
     exact_law,
@@ -292,16 +292,6 @@ def law_proposer(model, tree_kwargs, seed: int = 0):
                          embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head, **tree_kwargs)
 
 
-def law_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V**3, dtype=torch.float64)
-    for _ in range(n):
-        a, b, c = generate(model, LAW_PROMPT, proposer=proposer, max_new_tokens=3, temperature=temperature,
-                           top_k=top_k, top_p=top_p, generator=g, eos_token_id=()).tokens
-        counts[(a * V + b) * V + c] += 1
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAW_CASES))
 def test_sampling_law(case, monkeypatch):
@@ -310,7 +300,7 @@ def test_sampling_law(case, monkeypatch):
     law = exact_law(model, temperature, top_k, top_p)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
-    counts = law_counts(model, law_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, law_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
@@ -328,6 +318,6 @@ def test_sampling_law_catches_a_broken_rule_on_a_dynamic_tree(monkeypatch):
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
     monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
-    counts = law_counts(model, law_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, law_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)

@@ -26,8 +26,9 @@ from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.decode.test_draft_proposer import assert_cache_is_prefill, noisy_copy
-from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_counts, law_proposer
+from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_proposer
 from tests.decode.test_engine import (
+    engine_counts,
     RecordingRule,
     exact_law,
     fitted_heads,
@@ -159,7 +160,7 @@ def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
     proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
     spy = Spy(proposer)
-    counts = law_counts(model, proposer, GRAFT_LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, proposer, GRAFT_LAW_SAMPLES, temperature, top_k, top_p, seed=1)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
@@ -175,7 +176,7 @@ def test_sampling_law_with_a_graft_catches_a_broken_rule(monkeypatch):
     law = exact_law(model, temperature, top_k, top_p)
     monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
     proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
-    counts = law_counts(model, proposer, 2000, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, proposer, 2000, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
 
