@@ -1,6 +1,8 @@
-"""Test utilities: compose the project's Hydra configs exactly as the entry scripts do; a free port."""
+"""Test utilities: compose the project's Hydra configs exactly as the entry scripts do; a run's logged
+metrics; a free port."""
 from __future__ import annotations
 
+import csv
 import socket
 from pathlib import Path
 
@@ -19,3 +21,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def logged(out: Path, key: str) -> list[float]:
+    """Every value a run logged under `key`, in order (logger=csv writes out/metrics.csv)."""
+    with open(Path(out) / "metrics.csv") as f:
+        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == key]

@@ -16,50 +16,13 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_engine import RecordingRule
-
-TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-# preset -> (config class, the checkpoint's shape-independent settings, where they come from)
-FAMILIES = {
-    "llama2-7b": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
-                                    attention_bias=False, tie_word_embeddings=False),
-                  "meta-llama/Llama-2-7b-chat-hf config.json"),
-    "vicuna-7b-v1.3": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
-                                         tie_word_embeddings=False), "lmsys/vicuna-7b-v1.3 config.json"),
-    "llama3.1-8b-instruct": (LlamaConfig, dict(
-        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072, attention_bias=False, mlp_bias=False,
-        tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}),
-        "meta-llama/Llama-3.1-8B-Instruct config.json"),
-    "qwen2.5-7b-instruct": (Qwen2Config, dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                                              use_sliding_window=False, sliding_window=131072, max_window_layers=28,
-                                              tie_word_embeddings=False),
-                            "Qwen/Qwen2.5-7B-Instruct config.json (q/k/v projections with bias)"),
-    "mistral-7b-instruct": (MistralConfig, dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768,
-                                                sliding_window=None, tie_word_embeddings=False),
-                            "mistralai/Mistral-7B-Instruct-v0.3 config.json"),
-    "smollm2-135m": (LlamaConfig, dict(rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
-                                       tie_word_embeddings=True), "HuggingFaceTB/SmolLM2-135M-Instruct config.json"),
-}
-
-
-def tiny_family(preset: str, seed: int = 0, **extra):
-    config_cls, settings, _ = FAMILIES[preset]
-    config = config_cls(**TINY, **{**settings, **extra})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    model.lm_head.weight.data *= 8 if not config.tie_word_embeddings else 1  # a peaked law: long greedy runs agree
-    return model.requires_grad_(False)
+from tests.laws import RecordingRule
+from tests.tiny import FAMILIES, tiny_family
 
 
 def noisy_draft(model, noise: float = 0.02):

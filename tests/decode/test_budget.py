@@ -7,17 +7,11 @@ import pytest
 import torch
 
 from draftsmith.decode.budget import AdaptiveBudget, FixedBudget, StepCost, make_budget
-from draftsmith.decode.engine import Engine
 from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_engine_batch import SCHEDULE, prompt, run_schedule, setup  # noqa: F401 (fixture)
-from tests.decode.test_engine import reference
-
-
-def bandwidth_bound(knee: int) -> StepCost:
-    """A forward that costs the same up to `knee` tokens (reading the weights), then grows linearly."""
-    return StepCost({n: 0.01 * max(1.0, n / knee) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
+from tests.decode.rows import SCHEDULE, Alternating, bandwidth_bound, row_prompt, run_schedule
+from tests.laws import reference
 
 
 class Row:  # a request as the policy sees it (a weakref-able key)
@@ -73,8 +67,8 @@ def test_expensive_verification_means_plain_decoding():
     assert policy.choose(rows) == [0] and policy.counts[1] == 1
 
 
-def test_the_policy_name_is_an_explicit_key(setup):  # noqa: F811
-    model, _ = setup
+def test_the_policy_name_is_an_explicit_key(batch_setup):
+    model, _ = batch_setup
     forward = make_forward(model, "fast", max_rows=2, max_len=128)
     assert isinstance(make_budget("fixed"), FixedBudget)
     policy = make_budget("adaptive", forward, max_num_seqs=2)
@@ -83,38 +77,13 @@ def test_the_policy_name_is_an_explicit_key(setup):  # noqa: F811
         make_budget("greedy")
 
 
-class Alternating:
-    """A scripted policy: rows skip their proposer every other step, and trees are cut to 2 nodes."""
-
-    name = "alternating"
-
-    def __init__(self):
-        self.steps, self.counts = 0, {}
-
-    def choose(self, rows):
-        self.steps += 1
-        return [0 if (self.steps + i) % 2 else 2 for i in range(len(rows))]
-
-    def observe(self, *args):
-        pass
-
-
 @pytest.mark.parametrize("policy", ["alternating", "adaptive"])
-def test_every_row_stays_its_own_greedy_output_whatever_the_budgets(setup, policy):  # noqa: F811
-    model, factories = setup
+def test_every_row_stays_its_own_greedy_output_whatever_the_budgets(batch_setup, policy):
+    model, factories = batch_setup
     engine_budget = Alternating() if policy == "alternating" else AdaptiveBudget(bandwidth_bound(knee=4))
-    original = Engine.__init__
-
-    def with_policy(self, *args, **kwargs):
-        original(self, *args, **kwargs, budget=engine_budget)
-
-    try:
-        Engine.__init__ = with_policy
-        requests, widest = run_schedule(model, factories, SCHEDULE)
-    finally:
-        Engine.__init__ = original
+    requests, widest = run_schedule(model, factories, SCHEDULE, budget=engine_budget)
     for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
-        ids = torch.tensor([prompt(seed, length)])
+        ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), (policy, kind)
     plain = [s for r in requests for s in r.steps if s.num_nodes == 1]
     drafted = [s for r, (k, *_) in zip(requests, SCHEDULE) for s in r.steps if s.num_nodes > 1 and k != "vanilla"]

@@ -11,8 +11,8 @@ from draftsmith.decode import forward as forwards
 from draftsmith.decode.engine import batch_inputs, chain_tree, generate
 from draftsmith.decode.forward import make_forward
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_engine import reference
-from tests.decode.test_engine_batch import SCHEDULE, prompt, run_schedule, setup  # noqa: F401 (fixture)
+from tests.decode.rows import SCHEDULE, row_prompt, run_schedule
+from tests.laws import reference
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def test_the_step_compiles_as_one_graph_and_decodes_the_verifiers_greedy_output(
     inputs = batch_inputs([tree], [0], tree.size, "cpu")
     args = (inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(64), 1, 64)
     torch.testing.assert_close(whole(*args)[0], eager(*args)[0], rtol=1e-5, atol=1e-5)
-    ids = torch.tensor([prompt(3, 9)])
+    ids = torch.tensor([row_prompt(3, 9)])
     out = generate(model, ids, max_new_tokens=12, eos_token_id=(), forward="fast")
     assert out.tokens == reference(model, ids, max_new_tokens=12, eos_token_id=None)
 
@@ -50,18 +50,18 @@ def test_a_graph_break_fails_the_fullgraph_compile(monkeypatch):
         fwd(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(64), 1, 64)
 
 
-def test_recompilations_stay_bounded_while_rows_join_and_leave(setup, monkeypatch):  # noqa: F811
+def test_recompilations_stay_bounded_while_rows_join_and_leave(batch_setup, monkeypatch):
     """Every row kind joins and leaves (widths 1..16, lengths across buckets, prefill chunks with
     their own rows): a handful of graphs, and each row still its own greedy output."""
     torch._dynamo.reset()
     forwards.compiled.graphs = 0
-    model, factories = setup
+    model, factories = batch_setup
     real = make_forward
     monkeypatch.setattr("draftsmith.decode.engine.make_forward",
                         lambda *a, **k: real(*a[:4], a[4] if len(a) > 4 else False, compile="count"))
     requests, _ = run_schedule(model, factories, SCHEDULE)
     for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
-        ids = torch.tensor([prompt(seed, length)])
+        ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
     steps = sum(len(r.steps) for r in requests)
     assert 1 <= forwards.compiled.graphs <= 6, (forwards.compiled.graphs, steps)

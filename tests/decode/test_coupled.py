@@ -11,8 +11,8 @@ from draftsmith.decode import sampling
 from draftsmith.decode.budget import AdaptiveBudget
 from draftsmith.decode.engine import Engine, generate
 from draftsmith.decode.sampling import PositionNoise, coupled_sample, coupled_walk, logits_to_probs
-from tests.decode.test_budget import Alternating, bandwidth_bound
-from tests.decode.test_engine_batch import pit_values, prompt, setup  # noqa: F401 (fixture)
+from tests.decode.rows import Alternating, bandwidth_bound, row_prompt
+from tests.laws import pit_values
 
 
 def law_of_draws(probs: torch.Tensor, draws: int, noise=lambda seed, v: PositionNoise(seed).gumbel(0, v, "cpu")):
@@ -47,10 +47,10 @@ def test_the_walk_accepts_exactly_the_drawn_tokens():
     assert coupled_walk(wrong, torch.tensor([-1, 0, 1, 2]), probs, noise) == ([0, 1], drawn[1])
 
 
-def test_same_tokens_as_plain_sampling_whatever_the_drafter(setup):  # noqa: F811
-    model, factories = setup
+def test_same_tokens_as_plain_sampling_whatever_the_drafter(batch_setup):
+    model, factories = batch_setup
     for seed in range(3):
-        ids = torch.tensor([prompt(50 + seed, 7)])
+        ids = torch.tensor([row_prompt(50 + seed, 7)])
         runs = {}
         for kind in ("vanilla", "medusa", "eagle1", "eagle3", "draft", "prompt_lookup", "lookahead"):
             out = generate(model, ids, proposer=factories[kind](), max_new_tokens=30, temperature=1.0, top_p=0.95,
@@ -63,16 +63,16 @@ def test_same_tokens_as_plain_sampling_whatever_the_drafter(setup):  # noqa: F81
 
 
 @pytest.mark.parametrize("policy", ["alternating", "adaptive"])
-def test_a_seeded_request_is_the_same_alone_or_in_a_batch_whatever_the_budget(setup, policy):  # noqa: F811
-    model, factories = setup
-    alone = generate(model, torch.tensor([prompt(61, 8)]), proposer=factories["eagle1"](), max_new_tokens=30,
+def test_a_seeded_request_is_the_same_alone_or_in_a_batch_whatever_the_budget(batch_setup, policy):
+    model, factories = batch_setup
+    alone = generate(model, torch.tensor([row_prompt(61, 8)]), proposer=factories["eagle1"](), max_new_tokens=30,
                      temperature=0.9, acceptance="coupled", generator=torch.Generator().manual_seed(7),
                      eos_token_id=()).tokens
     budget = Alternating() if policy == "alternating" else AdaptiveBudget(bandwidth_bound(knee=2))
     engine = Engine(model, max_num_seqs=3, budget=budget, prefill_chunk=5)
-    mine = engine.add(prompt(61, 8), proposer=factories["eagle1"](), max_new_tokens=30, temperature=0.9,
+    mine = engine.add(row_prompt(61, 8), proposer=factories["eagle1"](), max_new_tokens=30, temperature=0.9,
                       acceptance="coupled", generator=torch.Generator().manual_seed(7), eos_token_id=())
-    others = [engine.add(prompt(62 + i, 6 + i), proposer=factories[k](), max_new_tokens=25, temperature=1.2,
+    others = [engine.add(row_prompt(62 + i, 6 + i), proposer=factories[k](), max_new_tokens=25, temperature=1.2,
                          acceptance="coupled", generator=torch.Generator().manual_seed(i), eos_token_id=())
               for i, k in enumerate(("medusa", "draft", "vanilla"))]
     while engine.busy:

@@ -34,18 +34,9 @@ from draftsmith.decode.lookup import PromptLookupGraft, PromptLookupProposer
 from draftsmith.decode.proposers import with_lookup
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
-from tests.decode.test_engine import (
-    engine_counts,
-    LAW_PROMPT,
-    V,
-    RecordingRule,
-    exact_law,
-    law_model,
-    law_test,
-    null_tv,
-    residual_from_p_walk,
-)
-from tests.decode.test_lookup_graft import CONF, GRAFTED_PRESETS, greedy_setup, inner_proposer  # noqa: F401
+from tests.decode.grafts import GRAFTED_PRESETS, inner_proposer
+from tests.laws import (DECODE_CONF, LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test,
+                        residual_from_p_walk, tv_bound)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_tokenizer
 
@@ -146,8 +137,8 @@ def greedy_corpus(model, prompts: list[torch.Tensor], corrupt: float, seed: int)
 
 
 @pytest.mark.parametrize("case", ["eagle3-dynamic", "draft-heuristic", "prompt-lookup"])
-def test_greedy_identity_with_a_datastore_and_retrieved_nodes_are_judged(greedy_setup, case, monkeypatch):
-    model, drafters = greedy_setup
+def test_greedy_identity_with_a_datastore_and_retrieved_nodes_are_judged(graft_setup, case, monkeypatch):
+    model, drafters = graft_setup
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 14, (1, 12), generator=g) for _ in range(6)]
     store = Datastore.build(greedy_corpus(model, prompts, corrupt=0.15, seed=1), key_tokens=4)
@@ -203,7 +194,7 @@ def test_sampling_law_with_a_datastore_is_the_verifiers(monkeypatch):
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0
     assert pvalue > 1e-3, (pvalue, tv)
-    assert tv < 1.25 * null_tv(law, LAW_SAMPLES), tv
+    assert tv < tv_bound(law, LAW_SAMPLES), tv
     assert max(len(p) for p in recorder.paths) >= 3  # retrieved tokens were accepted two deep
 
 
@@ -219,7 +210,7 @@ def test_sampling_law_with_a_datastore_catches_a_broken_rule(monkeypatch):
 
 @pytest.mark.parametrize("preset", [*GRAFTED_PRESETS, "prompt-lookup"])
 def test_every_tree_preset_takes_the_datastore_keys(preset):
-    d = OmegaConf.load(CONF / f"{preset}.yaml")
+    d = OmegaConf.load(DECODE_CONF / f"{preset}.yaml")
     assert d.datastore is None and {"datastore_tokens", "datastore_depth", "datastore_min_ngram"} <= set(d)
 
 

@@ -19,35 +19,16 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from draftsmith.decode import sampling
 from draftsmith.decode.draft import DraftModelProposer, level_mask, sample_without_replacement
 from draftsmith.decode.engine import generate
 from draftsmith.decode.sampling import logits_to_probs
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_engine import (
-    LAW_PROMPT,
-    RecordingRule,
-    V,
-    engine_counts,
-    exact_law,
-    law_model,
-    law_test,
-    prompt,
-    reference,
-)
+from tests.drafters import noisy_copy
+from tests.laws import (LAW_PROMPT, RecordingRule, V, assert_cache_is_prefill, engine_counts, exact_law, law_model,
+                        law_test, prompt, reference, tv_bound)
 from tests.tiny import tiny_llama
-
-
-def noisy_copy(model, noise: float, seed: int = 1):
-    """The verifier with Gaussian noise on its lm_head: agrees often, not always."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = draft.lm_head.weight
-        w.add_(noise * torch.randn(w.shape, generator=g, dtype=w.dtype))
-    return draft
 
 
 @pytest.fixture(scope="module")
@@ -148,17 +129,6 @@ def test_greedy_identity_eos(models):
         ref = reference(verifier, ids, max_new_tokens=30, eos_token_id=eos)
         out = generate(verifier, ids, proposer=proposer, max_new_tokens=30, eos_token_id=eos)
         assert out.tokens == ref and out.stop_reason == "eos"
-
-
-def assert_cache_is_prefill(model, cache: DynamicCache, tokens: list[int]) -> None:
-    """Every layer's keys/values equal those of one fresh forward over ``tokens``."""
-    fresh = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model.get_decoder()(input_ids=torch.tensor([tokens]), cache=fresh, use_cache=True)
-    assert cache.get_seq_length() == len(tokens)
-    for got, want in zip(cache.layers, fresh.layers, strict=True):
-        torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=1e-10)
-        torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-10)
 
 
 class CheckedDraft(DraftModelProposer):
@@ -363,14 +333,6 @@ def test_config_errors_are_one_line(models):
 # sampling law: the draft's q is far from the verifier's p
 
 DRAFT_LAW_SAMPLES = 6_000  # ~5 ms per sample on an idle core: ~30 s per case
-
-
-def tv_bound(law: torch.Tensor, n: int, slack: float = 0.015) -> float:
-    """TV distance that n exact samples stay below: the expected sampling noise
-    0.5 * sum_x E|freq(x) - law(x)| ~ 0.5 * sum_x sqrt(2 law(x) (1 - law(x)) / (pi n)) (~0.035
-    for these laws at n = 6000) plus ``slack``, the bias this check can see."""
-    noise = 0.5 * float(torch.sqrt(2 * law * (1 - law) / (torch.pi * n)).sum())
-    return noise + slack
 
 
 def law_draft(logit_scale: float):

@@ -8,69 +8,21 @@
   and a deliberately broken rule fails it with an EAGLE-2 tree;
 - the engine asks the verifier for extra layers only when a proposer needs them.
 """
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
-from draftsmith.models.eagle import EagleConfig, EagleDrafter
-from draftsmith.models.vocab import draft_vocab
-from draftsmith.train.eagle import eagle_loss
-from tests.decode.test_engine import (
-    engine_counts,
-    RecordingRule,
-    V,
-    exact_law,
-    law_model,
-    law_test,
-    null_tv,
-    residual_from_p_walk,
-    tree_paths,
-)
+from tests.drafters import fitted_drafter, random_eagle_proposer
+from tests.laws import (RecordingProposer, RecordingRule, engine_counts, exact_law, law_model, law_test,
+                        prompt, reference, residual_from_p_walk, tree_paths, tv_bound)
 from tests.tiny import tiny_llama
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 DYNAMIC = dict(depth=4, top_k=3, total_tokens=10)
 TREES = {"chain": dict(paths=CHAIN), "static": dict(paths=STATIC), "dynamic": DYNAMIC}
-
-
-def greedy_corpus(model, n: int = 32, prompt_len: int = 8, new: int = 40, seed: int = 0) -> torch.Tensor:
-    prompts = torch.randint(4, 100, (n, prompt_len), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=new, eos_token_id=None, pad_token_id=1)  # (n, prompt_len + new)
-
-
-def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vocab_size: int | None = None):
-    """An EAGLE drafter fitted for `steps` Adam steps to the model's greedy continuations, with the
-    trainer's own loss: top-1 ~0.6, so trees accept several tokens and still get rejected."""
-    seqs = greedy_corpus(model)
-    layers = [0, 1, 1] if variant == "eagle3" else []
-    extra = dict(draft_vocab_size=draft_vocab_size, lm_head="own") if draft_vocab_size else {}
-    torch.manual_seed(0)
-    drafter = EagleDrafter(EagleConfig(model.config.hidden_size, model.config.vocab_size, model.config.to_dict(),
-                                       variant=variant, fusion_layers=layers, **extra)).to(model.dtype)
-    with torch.no_grad():
-        out = model.model(seqs, output_hidden_states=True)
-        inputs = {"hidden": out.last_hidden_state, "labels": seqs.clone(), "attention_mask": torch.ones_like(seqs),
-                  "embeds": model.get_input_embeddings()(seqs)}
-        if layers:
-            inputs["layer_hidden"] = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
-    if draft_vocab_size:
-        drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=128), draft_vocab_size),
-                                model.lm_head)
-    mcfg = SimpleNamespace(decay=0.8, w_feat=1.0, w_cls=1.0)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = eagle_loss(drafter, inputs, model.lm_head, mcfg, ttt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +37,6 @@ def greedy_setup():
 def proposer_for(model, drafter, tree: str):
     return make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
                          lm_head=model.lm_head, **TREES[tree])
-
-
-def prompt(seed: int, length: int = 12) -> torch.Tensor:
-    return torch.randint(4, 100, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def reference(model, ids, max_new_tokens, **kwargs) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=1, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("variant", ["eagle1", "eagle3"])
@@ -149,32 +90,13 @@ def test_greedy_identity_with_an_int8_drafter(greedy_setup, variant, tree):
 
 def test_greedy_identity_with_eos(greedy_setup):
     model, drafters = greedy_setup
-    ids = prompt(5)
+    ids = prompt(5, 12)
     free = reference(model, ids, 30, eos_token_id=None)
     for tree in TREES:
         ref = reference(model, ids, 30, eos_token_id=free[12])
         out = generate(model, ids, proposer=proposer_for(model, drafters["eagle1"], tree), max_new_tokens=30,
                        eos_token_id=free[12])
         assert out.tokens == ref and out.stop_reason == "eos"
-
-
-class RecordingProposer:
-    """Wraps a proposer; keeps (ids, tree) of every step."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-        self.name, self.feature_layers = inner.name, inner.feature_layers
-
-    def prefill(self, *args, **kwargs):
-        self.inner.prefill(*args, **kwargs)
-
-    def accept(self, *args, **kwargs):
-        self.inner.accept(*args, **kwargs)
-
-    def propose(self, root, hidden, ids):
-        tree = self.inner.propose(root, hidden, ids)
-        self.calls.append((list(ids), tree))
-        return tree
 
 
 @torch.no_grad()
@@ -202,7 +124,7 @@ def test_drafted_nodes_are_the_drafters_own_topk(greedy_setup, variant, tree):
     model, drafters = greedy_setup
     drafter = drafters[variant]
     proposer = RecordingProposer(proposer_for(model, drafter, tree))
-    generate(model, prompt(7), proposer=proposer, max_new_tokens=16, eos_token_id=())
+    generate(model, prompt(7, 12), proposer=proposer, max_new_tokens=16, eos_token_id=())
     k = proposer.inner.top_k
     for ids, t in proposer.calls[:4]:  # the first step (prompt pairs) and later ones (accepted pairs)
         tokens, parents = t.tokens.tolist(), t.parents.tolist()
@@ -229,8 +151,8 @@ def test_dynamic_tree_with_top1_is_the_chain(greedy_setup):
                                             lm_head=model.lm_head, paths=CHAIN[:3]))
     dyn = RecordingProposer(make_proposer("eagle", drafter=drafters["eagle1"], embed_tokens=model.get_input_embeddings(),
                                           lm_head=model.lm_head, depth=3, top_k=1, total_tokens=4))
-    a = generate(model, prompt(8), proposer=chain, max_new_tokens=24, eos_token_id=())
-    b = generate(model, prompt(8), proposer=dyn, max_new_tokens=24, eos_token_id=())
+    a = generate(model, prompt(8, 12), proposer=chain, max_new_tokens=24, eos_token_id=())
+    b = generate(model, prompt(8, 12), proposer=dyn, max_new_tokens=24, eos_token_id=())
     assert a.tokens == b.tokens and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
     assert all(x[1].tokens.tolist() == y[1].tokens.tolist() for x, y in zip(chain.calls, dyn.calls))
 
@@ -250,11 +172,11 @@ def test_engine_asks_for_layers_only_when_needed(greedy_setup, monkeypatch, forw
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(impl, "__call__", spy)
-    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8,
+    generate(model, prompt(9, 12), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8,
              forward=forward)
     assert seen and not any(seen)
     seen.clear()
-    generate(model, prompt(9), proposer=proposer_for(model, drafters["eagle3"], "chain"), max_new_tokens=8,
+    generate(model, prompt(9, 12), proposer=proposer_for(model, drafters["eagle3"], "chain"), max_new_tokens=8,
              forward=forward)
     assert seen and all(c == tuple(sorted(set(drafters["eagle3"].config.fusion_layers))) for c in seen)
 
@@ -272,7 +194,7 @@ def test_bad_arguments_fail_clearly(greedy_setup):
 
 
 # ---------------------------------------------------------------------------------------------
-# sampling law (tests/decode/test_engine.py's exact enumeration over a V = 8 vocabulary)
+# sampling law (tests/laws.py's exact enumeration over a V = 8 vocabulary)
 
 LAW_SAMPLES = 3_000  # 7-15 ms per 3-token generate on the shared 2-core box: under a minute per case
 LAW_CASES = {
@@ -284,14 +206,6 @@ LAW_CASES = {
 }
 
 
-def law_proposer(model, tree_kwargs, seed: int = 0):
-    """A random EAGLE-1 drafter on the law model (shared lm_head: its guesses are often right)."""
-    torch.manual_seed(seed)
-    drafter = EagleDrafter(EagleConfig(model.config.hidden_size, V, model.config.to_dict())).to(model.dtype)
-    return make_proposer("eagle", drafter=drafter.eval().requires_grad_(False),
-                         embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head, **tree_kwargs)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAW_CASES))
 def test_sampling_law(case, monkeypatch):
@@ -300,11 +214,11 @@ def test_sampling_law(case, monkeypatch):
     law = exact_law(model, temperature, top_k, top_p)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
-    counts = engine_counts(model, law_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, random_eagle_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
-    bound = 1.25 * null_tv(law, LAW_SAMPLES)
+    bound = tv_bound(law, LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
     depths = [len(p) - 1 for p in recorder.paths]
     assert min(depths) == 0 and max(depths) >= 2
@@ -318,6 +232,6 @@ def test_sampling_law_catches_a_broken_rule_on_a_dynamic_tree(monkeypatch):
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
     monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
-    counts = engine_counts(model, law_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
+    counts = engine_counts(model, random_eagle_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)

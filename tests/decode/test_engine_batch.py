@@ -17,72 +17,16 @@ from scipy.stats import kstest
 from draftsmith.decode import forward as forwards
 from draftsmith.decode.engine import Engine
 from draftsmith.decode.proposers import Proposer, make_proposer
-from draftsmith.decode.sampling import logits_to_probs
-from tests.decode.test_draft_proposer import noisy_copy
-from tests.decode.test_eagle_decode import fitted_drafter
-from tests.decode.test_engine import fitted_heads, reference
-from tests.tiny import tiny_llama
-
-MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+from tests.decode.rows import SCHEDULE, row_prompt, run_schedule
+from tests.laws import pit_values, reference
 
 
-@pytest.fixture(scope="module")
-def setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = tiny_llama(eos_token_id=None)
-        heads, eagle1, eagle3 = fitted_heads(model), fitted_drafter(model, "eagle1"), fitted_drafter(model, "eagle3")
-        draft = noisy_copy(model, 0.02)
-    finally:
-        torch.set_num_threads(threads)
-    embed, head = model.get_input_embeddings(), model.lm_head
-    factories = {
-        "vanilla": lambda: None,
-        "medusa": lambda: make_proposer("medusa", heads=heads, paths=MEDUSA_TREE),
-        "eagle1": lambda: make_proposer("eagle", drafter=eagle1, embed_tokens=embed, lm_head=head, depth=3, top_k=2,
-                                        total_tokens=6),
-        "eagle3": lambda: make_proposer("eagle", drafter=eagle3, embed_tokens=embed, lm_head=head,
-                                        paths=[[0], [0, 0], [1], [0, 0, 0]]),
-        "draft": lambda: make_proposer("draft", model=draft, vocab_size=128, num_tokens=3, tree_topk=[2]),
-        "prompt_lookup": lambda: make_proposer("prompt_lookup", num_tokens=4, max_ngram=2, min_ngram=1),
-        "lookahead": lambda: make_proposer("lookahead", lm_head=head, window=3, ngram=3, guess_set=3, seed=0),
-    }
-    return model, factories
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(4, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-# (proposer, prompt seed, prompt length, new tokens, step at which it joins)
-SCHEDULE = [("eagle3", 1, 9, 24, 0), ("vanilla", 2, 5, 10, 0), ("medusa", 3, 21, 30, 0), ("draft", 4, 7, 16, 2),
-            ("eagle1", 5, 12, 20, 3), ("prompt_lookup", 6, 30, 18, 5), ("lookahead", 7, 6, 14, 6),
-            ("medusa", 8, 4, 12, 9)]
-
-
-def run_schedule(model, factories, schedule, max_num_seqs=3, add_kwargs=None):
-    """Add each request at its step; step until all are done -> (requests, the widest batch seen)."""
-    engine = Engine(model, max_num_seqs=max_num_seqs, prefill_chunk=8)
-    requests, step, widest = {}, 0, 0
-    while len(requests) < len(schedule) or engine.busy:
-        for i, (kind, seed, length, new, at) in enumerate(schedule):
-            if at == step:
-                extra = add_kwargs(i) if add_kwargs else {}
-                requests[i] = engine.add(prompt(seed, length), proposer=factories[kind](), max_new_tokens=new,
-                                         eos_token_id=(), **extra)
-        engine.step()
-        widest = max(widest, len(engine.decoding))
-        step += 1
-    return [requests[i] for i in range(len(schedule))], widest
-
-
-def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(setup):
-    model, factories = setup
+def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(batch_setup):
+    model, factories = batch_setup
     requests, widest = run_schedule(model, factories, SCHEDULE)
     assert widest == 3  # rows really decoded side by side (and the 5 later ones joined as others left)
     for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
-        ids = torch.tensor([prompt(seed, length)])
+        ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
         assert request.stop.reason == "length" and request.error is None
     accepted = {kind: sum(s.accepted for s in r.steps) for (kind, *_), r in zip(SCHEDULE, requests)}
@@ -91,14 +35,14 @@ def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(setup):
     assert all(accepted[k] > 0 for k in ("medusa", "eagle1", "eagle3", "draft", "prompt_lookup")), accepted
 
 
-def test_rows_reading_each_others_cache_are_caught(setup, monkeypatch):
+def test_rows_reading_each_others_cache_are_caught(batch_setup, monkeypatch):
     """Teeth: every row reads its neighbour's cache row: the outputs are no longer the verifier's."""
-    model, factories = setup
+    model, factories = batch_setup
     monkeypatch.setattr(forwards.StaticKV, "read", lambda self, layer, rows, length: (
         self.keys[layer, :rows].roll(1, 0)[:, :, :length], self.values[layer, :rows].roll(1, 0)[:, :, :length])
         if isinstance(rows, int) else (self.keys[layer, rows, :, :length], self.values[layer, rows, :, :length]))
     requests, _ = run_schedule(model, factories, SCHEDULE[:3])
-    wrong = [r.out != reference(model, torch.tensor([prompt(seed, n)]), max_new_tokens=new, eos_token_id=None)
+    wrong = [r.out != reference(model, torch.tensor([row_prompt(seed, n)]), max_new_tokens=new, eos_token_id=None)
              for (_, seed, n, new, _), r in zip(SCHEDULE[:3], requests)]
     assert any(wrong)
 
@@ -109,24 +53,8 @@ PARAMS = [dict(temperature=0.6), dict(temperature=1.0, top_p=0.9), dict(temperat
           dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.8)]
 
 
-def pit_values(model, requests, params, seed: int) -> list[float]:
-    """u = F(x) + U p(x) of every emitted token under the verifier's law given its prefix."""
-    g = torch.Generator().manual_seed(seed)
-    us = []
-    for request, p in zip(requests, params):
-        ids = torch.tensor([request.prompt + request.out])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(request.prompt) - 1: -1]  # (n, V): the law of each emitted token
-        probs = logits_to_probs(logits, p.get("temperature", 1.0), p.get("top_k", 0), p.get("top_p", 1.0))
-        for law, x in zip(probs, request.out):
-            order = torch.argsort(law, descending=True, stable=True)
-            rank = int((order == x).nonzero())
-            us.append(float(law[order[:rank]].sum() + torch.rand((), generator=g, dtype=torch.float64) * law[x]))
-    return us
-
-
-def test_sampled_rows_follow_the_verifier_law_each_with_its_own_parameters(setup):
-    model, factories = setup
+def test_sampled_rows_follow_the_verifier_law_each_with_its_own_parameters(batch_setup):
+    model, factories = batch_setup
     us = []
     for run in range(4):
         gens = [torch.Generator().manual_seed(100 * run + i) for i in range(len(SAMPLED))]
@@ -152,8 +80,8 @@ def seeded_run(model, factories, neighbours: bool, shared: torch.Generator | Non
     return requests[0].out
 
 
-def test_a_seeded_request_emits_the_same_tokens_alone_or_beside_others(setup):
-    model, factories = setup
+def test_a_seeded_request_emits_the_same_tokens_alone_or_beside_others(batch_setup):
+    model, factories = batch_setup
     alone = seeded_run(model, factories, neighbours=False)
     assert seeded_run(model, factories, neighbours=True) == alone
     shared = torch.Generator()  # teeth: one generator for every row, and the neighbours move its draws
@@ -174,23 +102,23 @@ class Broken(Proposer):
         return make_proposer("prompt_lookup", num_tokens=2).propose(root, hidden, ids)
 
 
-def test_a_row_whose_proposer_raises_fails_alone(setup):
-    model, factories = setup
+def test_a_row_whose_proposer_raises_fails_alone(batch_setup):
+    model, factories = batch_setup
     engine = Engine(model, max_num_seqs=2)
-    good = engine.add(prompt(31, 6), proposer=factories["medusa"](), max_new_tokens=20, eos_token_id=())
-    bad = engine.add(prompt(32, 6), proposer=Broken(), max_new_tokens=20, eos_token_id=())
+    good = engine.add(row_prompt(31, 6), proposer=factories["medusa"](), max_new_tokens=20, eos_token_id=())
+    bad = engine.add(row_prompt(32, 6), proposer=Broken(), max_new_tokens=20, eos_token_id=())
     while engine.busy:
         engine.step()
     assert isinstance(bad.error, RuntimeError) and bad.stop.reason == "error" and len(bad.out) < 20
-    assert good.error is None and good.out == reference(model, torch.tensor([prompt(31, 6)]), max_new_tokens=20,
+    assert good.error is None and good.out == reference(model, torch.tensor([row_prompt(31, 6)]), max_new_tokens=20,
                                                         eos_token_id=None)
 
 
-def test_a_cancelled_row_leaves_at_the_next_step(setup):
-    model, factories = setup
+def test_a_cancelled_row_leaves_at_the_next_step(batch_setup):
+    model, factories = batch_setup
     engine = Engine(model, max_num_seqs=2)
-    keep = engine.add(prompt(41, 6), proposer=factories["eagle1"](), max_new_tokens=24, eos_token_id=())
-    drop = engine.add(prompt(42, 6), max_new_tokens=24, eos_token_id=())
+    keep = engine.add(row_prompt(41, 6), proposer=factories["eagle1"](), max_new_tokens=24, eos_token_id=())
+    drop = engine.add(row_prompt(42, 6), max_new_tokens=24, eos_token_id=())
     for _ in range(3):
         engine.step()
     engine.cancel(drop)
@@ -198,41 +126,41 @@ def test_a_cancelled_row_leaves_at_the_next_step(setup):
     assert drop in finished and drop.stop.reason == "cancelled" and len(engine.decoding) == 1
     while engine.busy:
         engine.step()
-    assert keep.out == reference(model, torch.tensor([prompt(41, 6)]), max_new_tokens=24, eos_token_id=None)
+    assert keep.out == reference(model, torch.tensor([row_prompt(41, 6)]), max_new_tokens=24, eos_token_id=None)
 
 
-def test_forked_drafters_propose_together_and_stay_lossless(setup, monkeypatch):
+def test_forked_drafters_propose_together_and_stay_lossless(batch_setup, monkeypatch):
     """Rows forked from one Medusa proposer (with prompt lookup grafted on) share a batch_key: the
     heads of every drafting row run in one call per step, and every row is still its own greedy
     output."""
     from draftsmith.decode.lookup import PromptLookupGraft
     from draftsmith.decode.proposers import MedusaProposer
 
-    model, factories = setup
+    model, factories = batch_setup
     template = PromptLookupGraft(factories["medusa"](), num_tokens=4, max_ngram=2)
     calls = []
     real = MedusaProposer.propose_batch
     monkeypatch.setattr(MedusaProposer, "propose_batch",
                         staticmethod(lambda ps, *a: (calls.append(len(ps)), real(ps, *a))[1]))
     engine = Engine(model, max_num_seqs=3)
-    rows = [engine.add(prompt(70 + i, 6 + 3 * i), proposer=template.fork(), max_new_tokens=20, eos_token_id=())
+    rows = [engine.add(row_prompt(70 + i, 6 + 3 * i), proposer=template.fork(), max_new_tokens=20, eos_token_id=())
             for i in range(3)]
     while engine.busy:
         engine.step()
     for i, row in enumerate(rows):
-        assert row.out == reference(model, torch.tensor([prompt(70 + i, 6 + 3 * i)]), max_new_tokens=20,
+        assert row.out == reference(model, torch.tensor([row_prompt(70 + i, 6 + 3 * i)]), max_new_tokens=20,
                                     eos_token_id=None)
     assert max(calls) == 3  # three rows' heads in one call
 
 
 @pytest.mark.parametrize("forward", ["hf", "fast"])
-def test_a_short_chunk_beside_a_wide_one_stays_inside_the_cache(setup, forward):
+def test_a_short_chunk_beside_a_wide_one_stays_inside_the_cache(batch_setup, forward):
     """Near the end of a row's reserved slots, its last prompt chunk (44 tokens) is padded to the
     width of another row's first chunk (212): the pad nodes' slots would run past the cache
     (256 + 212 > 430). They must land inside it, and both rows stay their own greedy output."""
-    model, _ = setup
+    model, _ = batch_setup
     engine = Engine(model, max_num_seqs=2, max_len=430, forward=forward, prefill_chunk=256)
-    long, short = prompt(90, 300), prompt(91, 212)
+    long, short = row_prompt(90, 300), row_prompt(91, 212)
     rows = [engine.add(p, max_new_tokens=2, eos_token_id=()) for p in (long, short)]
     while engine.busy:
         engine.step()

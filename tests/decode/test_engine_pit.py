@@ -27,9 +27,7 @@ from scipy.stats import kstest
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
-from tests.decode.test_draft_proposer import noisy_copy
-from tests.decode.test_eagle_decode import fitted_drafter
-from tests.decode.test_engine import fitted_heads
+from tests.drafters import fitted_drafter, fitted_heads, noisy_copy
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow

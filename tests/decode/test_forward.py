@@ -11,7 +11,7 @@ from draftsmith.decode.forward import FastLlama, HFForward, fast_problem, make_f
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_architectures import FAMILIES, tiny_family
+from tests.tiny import FAMILIES, tiny_family
 
 TREE = [-1, 0, 0, 1, 1, 2, 3]  # root, two children, grandchildren on both sides, a great-grandchild
 

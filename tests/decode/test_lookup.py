@@ -16,16 +16,7 @@ from draftsmith.decode.engine import generate
 from draftsmith.decode.lookup import LookaheadProposer, PromptLookupProposer, build_trie, ngram_continuations
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.test_draft_proposer import tv_bound
-from tests.decode.test_engine import (
-    RecordingRule,
-    engine_counts,
-    exact_law,
-    law_model,
-    law_test,
-    prompt,
-    reference,
-)
+from tests.laws import RecordingRule, engine_counts, exact_law, law_model, law_test, prompt, reference, tv_bound
 from tests.tiny import tiny_llama
 
 

@@ -10,40 +10,25 @@
 - the decode presets: every EAGLE / Medusa preset has the keys, ``decode.lookup_tokens`` builds
   the graft through decode/evaluate.py; a sampled tree, a draft model at T > 0, bad values refused.
 """
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from draftsmith.decode import sampling
-from draftsmith.decode.draft import DraftModelProposer
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, graft
-from draftsmith.decode.proposers import DraftTree, make_proposer, with_lookup
+from draftsmith.decode.proposers import DraftTree, with_lookup
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
-from tests.decode.test_draft_proposer import assert_cache_is_prefill, noisy_copy
-from tests.decode.test_eagle_decode import LAW_CASES, fitted_drafter, law_proposer
-from tests.decode.test_engine import (
-    engine_counts,
-    RecordingRule,
-    exact_law,
-    fitted_heads,
-    law_model,
-    law_test,
-    null_tv,
-    residual_from_p_walk,
-    tree_paths,
-)
+from tests.decode.grafts import GRAFTED_PRESETS, inner_proposer
+from tests.drafters import random_eagle_proposer
+from tests.laws import (DECODE_CONF, RecordingRule, engine_counts, exact_law, law_model, law_test, residual_from_p_walk,
+                        tv_bound)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
-
-CONF = Path(__file__).resolve().parents[2] / "conf" / "decode"
-# every drafter's tree preset, a new one included; the draft-free proposers take no graft
-GRAFTED_PRESETS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem not in {"prompt-lookup", "lookahead"})
 
 
 def test_graft_keeps_the_drafters_nodes_and_appends_the_rest():
@@ -55,28 +40,6 @@ def test_graft_keeps_the_drafters_nodes_and_appends_the_rest():
     for k, path in enumerate([[5, 6, 7, 8], [3], [4]]):
         assert [tokens[i] for i in path_to(parents, nodes[k][-1])[1:]] == path
     assert graft([9, 5], [-1, 0], []) == ([9, 5], [-1, 0], [])
-
-
-class CheckedDraft(DraftModelProposer):
-    """After every acceptance the draft cache is a fresh prefill of the text it holds: all it had
-    drafted of the accepted path (grafted tokens it never saw are fed with the next root)."""
-
-    checks = 0
-
-    def propose(self, root, hidden, ids):
-        self.ids, self.size = list(ids), None
-        tree = super().propose(root, hidden, ids)
-        self.size = tree.size
-        return tree
-
-    def accept(self, tree, path, next_token, hidden):
-        super().accept(tree, path, next_token, hidden)
-        drafted = [u for u in path[1:] if u < self.size]  # the draft's own nodes: a prefix of the path
-        assert path[1 : 1 + len(drafted)] == drafted
-        text = self.ids + tree.tokens[path[1:]].tolist() + [next_token]
-        assert len(self.ids) <= self.cached <= len(self.ids) + len(drafted) < len(text)
-        assert_cache_is_prefill(self.model, self.cache, text[: self.cached])
-        self.checks += 1
 
 
 class Spy:
@@ -94,35 +57,9 @@ class Spy:
         inner.propose = spy
 
 
-@pytest.fixture(scope="module")
-def greedy_setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # module fixtures run before the per-test one_thread fixture
-    try:
-        model = tiny_llama(eos_token_id=None).requires_grad_(False)
-        drafters = {"eagle1": fitted_drafter(model, "eagle1"),
-                    "eagle3": fitted_drafter(model, "eagle3", ttt=2, draft_vocab_size=64),
-                    "medusa": fitted_heads(model), "draft": noisy_copy(model, 0.008)}
-    finally:
-        torch.set_num_threads(threads)
-    return model, drafters
-
-
-def inner_proposer(model, drafters, case: str):
-    embed, lm_head = model.get_input_embeddings(), model.lm_head
-    if case == "medusa":
-        return make_proposer("medusa", heads=drafters["medusa"], paths=tree_paths("medusa-small"))
-    if case == "draft-heuristic":  # its cache is checked against a fresh prefill after every step
-        return CheckedDraft(drafters["draft"], model.config.vocab_size, num_tokens=2, length_schedule="heuristic",
-                            max_tokens=4)
-    variant, tree = case.split("-")
-    kwargs = dict(depth=2, top_k=3, total_tokens=6) if tree == "dynamic" else dict(paths=[[0], [0, 0]])
-    return make_proposer("eagle", drafter=drafters[variant], embed_tokens=embed, lm_head=lm_head, **kwargs)
-
-
 @pytest.mark.parametrize("case", ["eagle1-dynamic", "eagle3-dynamic", "eagle3-chain", "medusa", "draft-heuristic"])
-def test_greedy_identity_and_grafted_nodes_are_accepted(greedy_setup, case, monkeypatch):
-    model, drafters = greedy_setup
+def test_greedy_identity_and_grafted_nodes_are_accepted(graft_setup, case, monkeypatch):
+    model, drafters = graft_setup
     proposer = PromptLookupGraft(inner_proposer(model, drafters, case), num_tokens=6, max_ngram=3, min_ngram=1)
     spy = Spy(proposer)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
@@ -145,37 +82,38 @@ def test_greedy_identity_and_grafted_nodes_are_accepted(greedy_setup, case, monk
         assert proposer.inner.checks == len(recorder.paths)
 
 
-LAW_CASE = "dynamic-T1"
+# an EAGLE-2 tree at T=1 (tree kwargs, logit scale, temperature, top_k, top_p)
+LAW_CASE = (dict(depth=3, top_k=2, total_tokens=6), 10.0, 1.0, 0, 1.0)
 # ~11 ms per grafted 3-token generate in the suite: 6k samples is ~1 min (20k took 3 min 40 s); the TV
-# bound is scaled to the sample size (null_tv), and the broken rule below fails at 2k
+# bound is scaled to the sample size (tv_bound), and the broken rule below fails at 2k
 GRAFT_LAW_SAMPLES = 6_000
 
 
 @pytest.mark.slow
 def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
-    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[LAW_CASE]
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASE
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
-    proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
+    proposer = PromptLookupGraft(random_eagle_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
     spy = Spy(proposer)
     counts = engine_counts(model, proposer, GRAFT_LAW_SAMPLES, temperature, top_k, top_p, seed=1)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
-    bound = 1.25 * null_tv(law, GRAFT_LAW_SAMPLES)
+    bound = tv_bound(law, GRAFT_LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
     assert any(max(p) >= n for p, n in zip(recorder.paths, spy.sizes))  # grafted nodes were accepted
 
 
 @pytest.mark.slow
 def test_sampling_law_with_a_graft_catches_a_broken_rule(monkeypatch):
-    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[LAW_CASE]
+    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASE
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
     monkeypatch.setattr(sampling, "rejection_walk", residual_from_p_walk)
-    proposer = PromptLookupGraft(law_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
+    proposer = PromptLookupGraft(random_eagle_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
     counts = engine_counts(model, proposer, 2000, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
@@ -200,10 +138,10 @@ def test_a_sampled_tree_and_bad_settings_are_refused():
         with_lookup(Sampler(), OmegaConf.create({"lookup_tokens": 4}))
 
 
-def test_a_draft_model_is_grafted_only_when_greedy(greedy_setup, monkeypatch):
+def test_a_draft_model_is_grafted_only_when_greedy(graft_setup, monkeypatch):
     """At T > 0 a draft model samples its drafts: the call decodes with its own tree (a server's
     sampled requests), the next greedy call is grafted again."""
-    model, drafters = greedy_setup
+    model, drafters = graft_setup
     proposer = PromptLookupGraft(inner_proposer(model, drafters, "draft-heuristic"), num_tokens=4)
     spy = Spy(proposer)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
@@ -236,7 +174,7 @@ def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize("preset", GRAFTED_PRESETS)
 def test_every_eagle_and_medusa_preset_takes_the_graft_keys(preset):
-    d = OmegaConf.load(CONF / f"{preset}.yaml")
+    d = OmegaConf.load(DECODE_CONF / f"{preset}.yaml")
     assert {"lookup_tokens", "lookup_max_ngram", "lookup_min_ngram"} <= set(d)
 
     class Inner:

@@ -14,8 +14,6 @@ drafts what it claims, and is lossless like every other proposer.
   dynamic tree, and a deliberately broken rule fails it;
 - bad arguments are one-line errors (a tree deeper than the depths trained, a sequential drafter).
 """
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -24,60 +22,18 @@ from draftsmith.decode.engine import Engine, generate
 from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.eagle import EagleConfig, EagleDrafter
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.vocab import draft_vocab
-from draftsmith.train.eagle import eagle_loss
-from tests.decode.test_eagle_decode import RecordingProposer, fitted_drafter, greedy_corpus, prompt, reference
-from tests.decode.test_engine import (
-    engine_counts,
-    RecordingRule,
-    V,
-    exact_law,
-    law_model,
-    law_test,
-    null_tv,
-    residual_from_p_walk,
-    tree_paths,
-)
+from tests.drafters import PEAGLE_K as K
+from tests.drafters import PEAGLE_MASK as MASK
+from tests.drafters import fitted_drafter, fitted_peagle
+from tests.decode.rows import Alternating
+from tests.laws import (RecordingProposer, RecordingRule, V, engine_counts, exact_law, law_model, law_test,
+                        prompt, reference, residual_from_p_walk, tree_paths, tv_bound)
 from tests.tiny import tiny_llama
 
-K = 4  # depths the fitted drafter is trained for
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 DYNAMIC = dict(depth=4, top_k=3, total_tokens=10)
 TREES = {"chain": dict(paths=CHAIN), "static": dict(paths=STATIC), "dynamic": DYNAMIC}
-MASK = 3  # the mask token of the test drafters
-
-
-def peagle_drafter(model, layers=(0, 1, 1), k: int = K, draft_vocab_size: int | None = None, seed: int = 0):
-    extra = dict(draft_vocab_size=draft_vocab_size, lm_head="own") if draft_vocab_size else {}
-    torch.manual_seed(seed)
-    return EagleDrafter(EagleConfig(model.config.hidden_size, model.config.vocab_size, model.config.to_dict(),
-                                    variant="eagle3", fusion_layers=list(layers), parallel_tokens=k,
-                                    mask_token_id=MASK, **extra)).to(model.dtype)
-
-
-def fitted_peagle(model, steps: int = 150, draft_vocab_size: int | None = 64, layers=(0, 1, 1)):
-    """A P-EAGLE drafter fitted for `steps` Adam steps to the model's greedy continuations with the
-    trainer's loss (its K depths as placeholder steps): depth 1 ~0.6 top-1, deeper ones less."""
-    seqs = greedy_corpus(model)
-    drafter = peagle_drafter(model, layers=layers, draft_vocab_size=draft_vocab_size)
-    with torch.no_grad():
-        out = model.model(seqs, output_hidden_states=True)
-        embed = model.get_input_embeddings()
-        inputs = {"hidden": out.last_hidden_state, "labels": seqs.clone(), "attention_mask": torch.ones_like(seqs),
-                  "embeds": embed(seqs), "mask_embed": embed(torch.tensor([MASK]))[0],
-                  "layer_hidden": torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)}
-    if draft_vocab_size:
-        drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=model.config.vocab_size),
-                                            draft_vocab_size), model.lm_head)
-    mcfg = SimpleNamespace(decay=0.8, w_feat=0.0, w_cls=1.0)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = eagle_loss(drafter, inputs, model.lm_head, mcfg, K)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +76,7 @@ def test_greedy_identity(setup, tree, monkeypatch):
 
 def test_greedy_identity_with_an_int8_drafter_and_eos(setup):
     model, drafter = setup
-    ids = prompt(5)
+    ids = prompt(5, 12)
     free = reference(model, ids, 30, eos_token_id=None)
     out = generate(model, ids, proposer=proposer_for(model, drafter, "dynamic", quant="int8"), max_new_tokens=30,
                    eos_token_id=free[12])
@@ -148,7 +104,7 @@ def test_one_drafter_forward_and_one_projection_per_step(setup, monkeypatch):
     for name, tree in TREES.items():
         calls.update(forward=0, logits=0, rows=[])
         proposer = RecordingProposer(proposer_for(model, drafter, tree))
-        out = generate(model, prompt(6), proposer=proposer, max_new_tokens=20, eos_token_id=())
+        out = generate(model, prompt(6, 12), proposer=proposer, max_new_tokens=20, eos_token_id=())
         n = len(proposer.calls)
         assert n == len(out.steps) and calls["forward"] == n and calls["logits"] == n, (name, calls, n)
         assert set(calls["rows"]) == {K}, (name, calls["rows"])
@@ -156,7 +112,7 @@ def test_one_drafter_forward_and_one_projection_per_step(setup, monkeypatch):
     calls.update(forward=0, logits=0)
     proposer = RecordingProposer(make_proposer("eagle", drafter=eagle, embed_tokens=model.get_input_embeddings(),
                                                lm_head=model.lm_head, paths=CHAIN))
-    generate(model, prompt(6), proposer=proposer, max_new_tokens=20, eos_token_id=())
+    generate(model, prompt(6, 12), proposer=proposer, max_new_tokens=20, eos_token_id=())
     assert calls["forward"] == K * len(proposer.calls)  # sequential EAGLE: one forward per depth
 
 
@@ -192,7 +148,7 @@ def best_first(logp: torch.Tensor, top_k: int, total: int) -> set[tuple[int, ...
 def test_drafted_nodes_are_each_depths_topk(setup, tree):
     model, drafter = setup
     proposer = RecordingProposer(proposer_for(model, drafter, tree))
-    generate(model, prompt(7), proposer=proposer, max_new_tokens=16, eos_token_id=())
+    generate(model, prompt(7, 12), proposer=proposer, max_new_tokens=16, eos_token_id=())
     k = proposer.inner.top_k
     for ids, t in proposer.calls[:4]:  # the first step (prompt pairs) and later ones (accepted pairs)
         tokens, parents = t.tokens.tolist(), t.parents.tolist()
@@ -214,26 +170,10 @@ def test_dynamic_tree_with_top1_is_the_chain(setup):
     model, drafter = setup
     chain = RecordingProposer(proposer_for(model, drafter, dict(paths=CHAIN[:3])))
     dyn = RecordingProposer(proposer_for(model, drafter, dict(depth=3, top_k=1, total_tokens=4)))
-    a = generate(model, prompt(8), proposer=chain, max_new_tokens=24, eos_token_id=())
-    b = generate(model, prompt(8), proposer=dyn, max_new_tokens=24, eos_token_id=())
+    a = generate(model, prompt(8, 12), proposer=chain, max_new_tokens=24, eos_token_id=())
+    b = generate(model, prompt(8, 12), proposer=dyn, max_new_tokens=24, eos_token_id=())
     assert a.tokens == b.tokens and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
     assert all(x[1].tokens.tolist() == y[1].tokens.tolist() for x, y in zip(chain.calls, dyn.calls))
-
-
-class Alternating:
-    """A scripted budget: rows skip their proposer every other step; other trees are cut to 3 nodes."""
-
-    name = "alternating"
-
-    def __init__(self):
-        self.steps = 0
-
-    def choose(self, rows):
-        self.steps += 1
-        return [0 if (self.steps + i) % 2 else 2 for i in range(len(rows))]
-
-    def observe(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("budget", ["fixed", "alternating"])
@@ -284,7 +224,7 @@ def test_bad_arguments_fail_clearly(setup):
 
 
 # ---------------------------------------------------------------------------------------------
-# sampling law (tests/decode/test_engine.py's exact enumeration over a V = 8 vocabulary)
+# sampling law (tests/laws.py's exact enumeration over a V = 8 vocabulary)
 
 LAW_SAMPLES = 3_000
 LAW_CASES = {
@@ -317,7 +257,7 @@ def test_sampling_law(case, monkeypatch):
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
-    bound = 1.25 * null_tv(law, LAW_SAMPLES)
+    bound = tv_bound(law, LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
     depths = [len(p) - 1 for p in recorder.paths]
     assert min(depths) == 0 and max(depths) >= 2

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from draftsmith.decode.engine import generate
 from draftsmith.models.checkpoint import load_drafter, save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -20,26 +19,11 @@ from draftsmith.models.verifier import fingerprint
 from draftsmith.models.vocab import draft_vocab
 from scripts.export import run as export
 from tests.conftest import tiny_model_overrides
-from tests.decode.test_eagle_decode import fitted_drafter, greedy_corpus
-from tests.tiny import tiny_tokenizer
+from tests.drafters import fitted_drafter, greedy_corpus
+from tests.models.exports import (ATTN_H, EAGLE3_LAYER, EAGLE3_REST, EAGLE3_WEIGHTS, FUSION, HD, HEADS, INTER, KV, MLP,
+                                  LAYERS, N, H, V, VerifierView, decode_lossless, export_drafter)
 from tests.hub import compose_config
 
-H, V, HEADS, KV, HD, INTER = 32, 128, 4, 2, 8, 64  # tests/tiny.py's Llama
-LAYERS = 4  # verifier layers: enough for 3 distinct EAGLE-3 capture layers
-FUSION = [2, 0, 1]  # given out of order: the engines feed them ascending (fc's blocks permuted on export)
-
-# ------------------------------------------------------------------ the engines' expectations (data)
-# Each: the source file read, config keys (value or None = present), weight name -> shape, dtype kind.
-ATTN_2H = {"self_attn.q_proj.weight": (HEADS * HD, 2 * H), "self_attn.k_proj.weight": (KV * HD, 2 * H),
-           "self_attn.v_proj.weight": (KV * HD, 2 * H), "self_attn.o_proj.weight": (H, HEADS * HD)}
-ATTN_H = {"self_attn.q_proj.weight": (HEADS * HD, H), "self_attn.k_proj.weight": (KV * HD, H),
-          "self_attn.v_proj.weight": (KV * HD, H), "self_attn.o_proj.weight": (H, HEADS * HD)}
-MLP = {"mlp.gate_proj.weight": (INTER, H), "mlp.up_proj.weight": (INTER, H), "mlp.down_proj.weight": (H, INTER),
-       "post_attention_layernorm.weight": (H,)}
-N = 48  # the reduced draft vocabulary of the EAGLE-3 and Medusa cases
-EAGLE3_LAYER = {**ATTN_2H, **MLP, "input_layernorm.weight": (H,), "hidden_norm.weight": (H,)}
-EAGLE3_REST = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (N, H), "d2t": (N,), "t2d": (V,)}
-EAGLE3_WEIGHTS = {**EAGLE3_REST, **{f"midlayer.{k}": v for k, v in EAGLE3_LAYER.items()}}
 ENGINES = {
     "vllm-eagle3": {
         "source": "vllm/model_executor/models/llama_eagle3.py (weights, fc 3*target_hidden_size, midlayer. -> "
@@ -93,23 +77,6 @@ ENGINES = {
                        for k in range(3) for l in range(2) for p in ("weight", "bias")},
                     "lm_head.weight": (V, H)}},
 }
-
-
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory):
-    """A tiny random Llama with 4 layers + the char tokenizer, saved (fp32) as an HF folder."""
-    from tests.tiny import tiny_llama
-
-    folder = tmp_path_factory.mktemp("verifier4")
-    tiny_llama(dtype=torch.float32, num_hidden_layers=LAYERS).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def verifier(verifier_dir):
-    """The saved verifier in fp64 (the exported lm_head rows are its fp32 weights, exactly)."""
-    return AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float64).eval().requires_grad_(False)
 
 
 def fitted_eagle3(model, layers, steps: int = 40, ttt: int = 2, draft_vocab_size: int | None = N, **config):
@@ -176,11 +143,6 @@ def drafters(verifier, tmp_path_factory):
     return out
 
 
-def _export(verifier_dir, drafter, fmt, out, *extra):
-    return export(compose_config("export", tiny_model_overrides(verifier_dir) + [
-        f"drafter={drafter}", f"format={fmt}", f"output_dir={out}", "dtype=null", "verifier_name=tiny", *extra]))
-
-
 SERVE = {"vllm": "python -m vllm.entrypoints.openai.api_server --model tiny --speculative-config '{\"method\": ",
          "sglang": "python -m sglang.launch_server --model-path tiny --speculative-algorithm EAGLE3"}
 
@@ -188,7 +150,7 @@ SERVE = {"vllm": "python -m vllm.entrypoints.openai.api_server --model tiny --sp
 @pytest.mark.parametrize("case", list(ENGINES))
 def test_export_matches_the_engines_loader(case, drafters, verifier_dir, tmp_path):
     fmt, kind = case.split("-")
-    summary = _export(verifier_dir, drafters[kind], fmt, tmp_path / case)
+    summary = export_drafter(verifier_dir, drafters[kind], fmt, tmp_path / case)
     expected = ENGINES[case]
     spec = json.loads((tmp_path / case / "config.json").read_text())
     for key, value in expected["config"].items():
@@ -215,7 +177,7 @@ def test_export_matches_the_engines_loader(case, drafters, verifier_dir, tmp_pat
 def test_fusion_layers_are_written_ascending_with_fc_permuted_to_match(fmt, drafters, verifier_dir, tmp_path):
     """FUSION = [2, 0, 1]: the engines concatenate the states of layers 0, 1, 2 in that order, so
     fc's input block b must be the native block for layer b."""
-    _export(verifier_dir, drafters["eagle3"], fmt, tmp_path / fmt)
+    export_drafter(verifier_dir, drafters["eagle3"], fmt, tmp_path / fmt)
     native = load_file(str(drafters["eagle3"] / "model.safetensors"))["fc.weight"].chunk(3, dim=1)
     exported = load_file(str(tmp_path / fmt / "model.safetensors"))["fc.weight"].chunk(3, dim=1)
     for b, layer in enumerate(sorted(FUSION)):
@@ -227,7 +189,7 @@ def test_fusion_layers_are_written_ascending_with_fc_permuted_to_match(fmt, draf
 def test_repeated_fusion_layers_are_refused(fmt, drafters, verifier_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=r"fuses verifier layers \[0, 1, 1\], one of them twice; vLLM and "
                                               r"SGLang capture each layer once") as info:
-        _export(verifier_dir, drafters["eagle3-repeated"], fmt, tmp_path / "x")
+        export_drafter(verifier_dir, drafters["eagle3-repeated"], fmt, tmp_path / "x")
     assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
 
 
@@ -235,7 +197,7 @@ def test_full_vocabulary_eagle3_has_no_d2t_for_vllm(drafters, verifier_dir, tmp_
     """vLLM 0.32 has no draft_id_to_target_id parameter when draft_vocab_size = the vocabulary and
     refuses a d2t tensor then (tests/engines/test_vllm.py: eagle3-nbr)."""
     for fmt in ("vllm", "speculators"):
-        _export(verifier_dir, drafters["eagle3-shared"], fmt, tmp_path / fmt)
+        export_drafter(verifier_dir, drafters["eagle3-shared"], fmt, tmp_path / fmt)
         state = load_file(str(tmp_path / fmt / "model.safetensors"))
         spec = json.loads((tmp_path / fmt / "config.json").read_text())
         assert spec["draft_vocab_size"] == V and state["lm_head.weight"].shape == (V, H)
@@ -253,7 +215,7 @@ def test_the_serve_command_names_the_verifier_the_drafter_was_trained_with(draft
         f"drafter={trained}", "format=vllm", f"output_dir={tmp_path / 'out'}"]))
     assert summary["serve"].startswith(
         "python -m vllm.entrypoints.openai.api_server --model org/tiny-verifier --speculative-config")
-    assert _export(verifier_dir, trained, "vllm", tmp_path / "out2", "verifier_name=mine")["serve"].startswith(
+    assert export_drafter(verifier_dir, trained, "vllm", tmp_path / "out2", "verifier_name=mine")["serve"].startswith(
         "python -m vllm.entrypoints.openai.api_server --model mine ")
 
 
@@ -266,29 +228,13 @@ def test_d2t_is_stored_as_offsets(drafters):
     assert torch.equal(native["t2d"].nonzero().flatten(), drafter.to_target_ids(ids).sort().values)
 
 
-def _decode(verifier, proposer, seed: int, n: int = 30):
-    ids = torch.randint(4, 100, (1, 10), generator=torch.Generator().manual_seed(seed))
-    out = generate(verifier, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
-    ref = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                            eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:].tolist()
-    assert out.tokens == ref  # lossless
-    return out.tokens, [s.accepted for s in out.steps]
-
-
-class _Verifier:
-    """What Drafter.proposer reads of a verifier."""
-
-    def __init__(self, model):
-        self.model, self.lm_head, self.embed_tokens = model, model.lm_head, model.get_input_embeddings()
-
-
 @pytest.mark.parametrize("case", ["vllm-eagle3", "speculators-eagle3", "sglang-eagle3", "vllm-eagle3-shared",
                                   "vllm-eagle1", "vllm-medusa"])
 def test_export_import_round_trip_decodes_identically(case, drafters, verifier, verifier_dir, tmp_path):
     from omegaconf import OmegaConf
 
     fmt, kind = case.split("-", 1)
-    _export(verifier_dir, drafters[kind], fmt, tmp_path / case)
+    export_drafter(verifier_dir, drafters[kind], fmt, tmp_path / case)
     original = load_drafter(drafters[kind], verifier_fingerprint=fingerprint(verifier))
     imported = load_drafter(tmp_path / case, verifier_fingerprint=fingerprint(verifier), verifier_dims=(H, V))
     assert imported.kind == original.kind and imported.meta["format"] == fmt
@@ -297,11 +243,11 @@ def test_export_import_round_trip_decodes_identically(case, drafters, verifier, 
         assert imported.config.norm_before_residual == original.config.norm_before_residual
     decode = OmegaConf.create({"name": "t", "depth": 3, "top_k": 3, "total_tokens": 8} if kind != "medusa" else
                               {"name": "t", "paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]})
-    v = _Verifier(verifier)
+    v = VerifierView(verifier)
     steps = []
     for seed in (1, 2):
-        a = _decode(verifier, original.proposer(v, decode), seed)
-        b = _decode(verifier, imported.proposer(v, decode), seed)
+        a = decode_lossless(verifier, original.proposer(v, decode), seed)
+        b = decode_lossless(verifier, imported.proposer(v, decode), seed)
         assert a == b, case  # the same proposals: the same accepted counts step by step
         steps += a[1]
     if kind in ("eagle3", "eagle1"):  # (untrained heads propose what is rarely accepted: the logits below decide)
@@ -333,7 +279,7 @@ def test_draft_model_exports_as_a_plain_hf_folder(verifier_dir, verifier, tmp_pa
     verifier.double()
     src = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
                            verifier_name="tiny", draft_vocab=torch.arange(N))
-    summary = _export(verifier_dir, src, "hf", tmp_path / "hf")
+    summary = export_drafter(verifier_dir, src, "hf", tmp_path / "hf")
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "heuristic"
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "assistant_model=" in summary["serve"]
@@ -358,7 +304,7 @@ def test_draft_model_exports_as_a_plain_hf_folder(verifier_dir, verifier, tmp_pa
 ])
 def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, drafters, verifier_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=needle) as info:
-        _export(verifier_dir, drafters[kind], fmt, tmp_path / "x")
+        export_drafter(verifier_dir, drafters[kind], fmt, tmp_path / "x")
     assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
 
 
@@ -369,7 +315,7 @@ def test_formats_that_cannot_express_a_drafter_are_refused(kind, fmt, needle, dr
     (lambda s: s.update(norm_before_fc=True), "sets norm_before_fc=true; draftsmith's EAGLE-3 has no such variant"),
 ])
 def test_speculators_folders_draftsmith_cannot_read_are_refused(edit, needle, drafters, verifier_dir, tmp_path):
-    _export(verifier_dir, drafters["eagle3"], "speculators", tmp_path / "s")
+    export_drafter(verifier_dir, drafters["eagle3"], "speculators", tmp_path / "s")
     spec = json.loads((tmp_path / "s" / "config.json").read_text())
     edit(spec)
     (tmp_path / "s" / "config.json").write_text(json.dumps(spec))

@@ -11,20 +11,10 @@ from safetensors.torch import load_file, save_file
 from draftsmith.models.checkpoint import load_drafter, save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import fingerprint
-from tests.decode.test_peagle_decode import MASK, fitted_peagle
-from tests.models.test_layouts import (  # noqa: F401 (fixtures)
-    EAGLE3_WEIGHTS,
-    FUSION,
-    EAGLE3_LAYER,
-    EAGLE3_REST,
-    H,
-    V,
-    _decode,
-    _export,
-    _Verifier,
-    verifier,
-    verifier_dir,
-)
+from tests.drafters import PEAGLE_MASK as MASK
+from tests.drafters import fitted_peagle
+from tests.models.exports import EAGLE3_LAYER, EAGLE3_REST, EAGLE3_WEIGHTS, FUSION, H, V, VerifierView, decode_lossless
+from tests.models.exports import export_drafter
 
 K = 4
 VLLM_SOURCE = ("vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM: mask_hidden buffer of "
@@ -61,7 +51,7 @@ def peagle_dir(verifier, tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", list(EXPECTED))
 def test_export_matches_vllms_peagle_loader(fmt, peagle_dir, verifier_dir, tmp_path):
-    summary = _export(verifier_dir, peagle_dir, fmt, tmp_path / fmt)
+    summary = export_drafter(verifier_dir, peagle_dir, fmt, tmp_path / fmt)
     spec = json.loads((tmp_path / fmt / "config.json").read_text())
     for key, value in EXPECTED[fmt]["config"].items():
         assert spec[key] == value, (fmt, key, VLLM_SOURCE if fmt == "vllm" else SPEC_SOURCE)
@@ -86,21 +76,21 @@ def test_export_matches_vllms_peagle_loader(fmt, peagle_dir, verifier_dir, tmp_p
 def test_export_import_round_trip_drafts_identically(fmt, peagle_dir, verifier, verifier_dir, tmp_path):
     from omegaconf import OmegaConf
 
-    _export(verifier_dir, peagle_dir, fmt, tmp_path / fmt)
+    export_drafter(verifier_dir, peagle_dir, fmt, tmp_path / fmt)
     original = load_drafter(peagle_dir, verifier_fingerprint=fingerprint(verifier))
     imported = load_drafter(tmp_path / fmt, verifier_fingerprint=fingerprint(verifier), verifier_dims=(H, V))
     assert imported.config.parallel_tokens == K and imported.config.mask_token_id == MASK
     assert imported.config.fusion_layers == sorted(FUSION)
     torch.testing.assert_close(imported.module.double().placeholder_features(),
                                original.module.double().placeholder_features(), rtol=0, atol=1e-12)
-    v = _Verifier(verifier)
+    v = VerifierView(verifier)
     steps = []
     for decode in ({"name": "t", "depth": K, "top_k": 3, "total_tokens": 8}, {"name": "t", "paths": [[0], [0, 0]]}):
         decode = OmegaConf.create(decode)
         assert type(original.proposer(v, decode)).__name__ == "PEagleProposer"
         for seed in (1, 2):
-            a = _decode(verifier, original.proposer(v, decode), seed)
-            b = _decode(verifier, imported.proposer(v, decode), seed)
+            a = decode_lossless(verifier, original.proposer(v, decode), seed)
+            b = decode_lossless(verifier, imported.proposer(v, decode), seed)
             assert a == b, fmt
             steps += a[1]
     assert max(steps) >= 2 and min(steps) == 0
@@ -110,12 +100,12 @@ def test_export_import_round_trip_drafts_identically(fmt, peagle_dir, verifier, 
 def test_formats_without_a_peagle_loader_are_refused(fmt, engine, peagle_dir, verifier_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=f"format={fmt}: {engine} has no P-EAGLE .parallel drafting. loader; "
                                               f"use format=vllm or format=speculators") as info:
-        _export(verifier_dir, peagle_dir, fmt, tmp_path / "x")
+        export_drafter(verifier_dir, peagle_dir, fmt, tmp_path / "x")
     assert "\n" not in str(info.value) and not (tmp_path / "x").exists()
 
 
 def test_a_peagle_folder_without_its_keys_is_refused_on_import(peagle_dir, verifier_dir, tmp_path):
-    _export(verifier_dir, peagle_dir, "vllm", tmp_path / "v")
+    export_drafter(verifier_dir, peagle_dir, "vllm", tmp_path / "v")
     spec = json.loads((tmp_path / "v" / "config.json").read_text())
     del spec["parallel_tokens"]
     (tmp_path / "v" / "config.json").write_text(json.dumps(spec))
@@ -123,7 +113,7 @@ def test_a_peagle_folder_without_its_keys_is_refused_on_import(peagle_dir, verif
     with pytest.raises(DraftsmithError, match="P-EAGLE drafter .mask_hidden. whose config.json lacks mask_token_id "
                                               "or parallel_tokens"):
         load_drafter(tmp_path / "v", verifier_dims=(H, V))
-    _export(verifier_dir, peagle_dir, "speculators", tmp_path / "s")
+    export_drafter(verifier_dir, peagle_dir, "speculators", tmp_path / "s")
     state = load_file(str(tmp_path / "s" / "model.safetensors"))
     state["embed_tokens.weight"] = torch.zeros(V, H)
     save_file(state, str(tmp_path / "s" / "model.safetensors"))

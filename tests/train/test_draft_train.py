@@ -1,6 +1,5 @@
 """train/draft.py on a tiny verifier: each divergence trains, on-policy steps, offline top-k
 teacher logits, resume."""
-import csv
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.draft import run
 from scripts.prepare_features import run as prepare
 from tests.conftest import tiny_model_overrides
-from tests.hub import compose_config
+from tests.hub import compose_config, logged
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -19,19 +18,14 @@ def _cfg(tiny_model_dir, out, *extra):
         "logger=csv", f"output_dir={out}", "method.student.num_layers=1", *extra])
 
 
-def _metric(out, key):
-    with open(out / "metrics.csv") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == key]
-
-
 @pytest.mark.parametrize("method", ["draft-fkl", "draft-rkl", "draft-jsd", "draft-tvd"])
 def test_each_divergence_trains_and_raises_acceptance(tiny_model_dir, tmp_path, method):
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out, f"method={method}"))
     assert summary["steps"] == 4
-    losses = _metric(out, "train/loss")
+    losses = logged(out, "train/loss")
     assert len(losses) == 4 and losses[-1] < losses[0], losses  # the whole train split is one batch
-    accept = _metric(out, "train/acceptance_rate")
+    accept = logged(out, "train/acceptance_rate")
     assert accept[-1] > accept[0]
     model, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
     assert meta["divergence"] == method.split("-")[1] and model.config.num_hidden_layers == 1
@@ -45,7 +39,7 @@ def test_body_only_training_leaves_embeddings_and_lm_head_as_the_verifiers(tiny_
 
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out, "method.student.trainable=body"))
-    losses = _metric(out, "train/loss")
+    losses = logged(out, "train/loss")
     assert losses[-1] < losses[0], losses
     draft, _ = load_draft_model(summary["drafter_dir"], vocab_size=128)
     verifier = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -61,7 +55,7 @@ def test_untrained_student_is_evaluated_and_saved(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out, "trainer.max_steps=0"))
     assert summary["steps"] == 0 and 0 < summary["eval/acceptance_rate"] <= 1
-    assert _metric(out, "eval/acceptance_rate") == [summary["eval/acceptance_rate"]]
+    assert logged(out, "eval/acceptance_rate") == [summary["eval/acceptance_rate"]]
     _, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
     assert meta["metrics"]["eval/acceptance_rate"] == summary["eval/acceptance_rate"]
 
@@ -70,11 +64,11 @@ def test_on_policy_steps_and_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(tiny_model_dir, out, "method.onpolicy.ratio=0.5", "method.onpolicy.max_new_tokens=6")
     run(cfg)
-    flags = _metric(out, "train/on_policy")
+    flags = logged(out, "train/on_policy")
     assert 0 < sum(flags) < len(flags) == 4  # a mix of on-policy and fixed steps
     summary = run(_cfg(tiny_model_dir, out, "method.onpolicy.ratio=0.5", "method.onpolicy.max_new_tokens=6",
                        "trainer.max_steps=6"))
-    assert summary["steps"] == 6 and len(_metric(out, "train/loss")) == 6
+    assert summary["steps"] == 6 and len(logged(out, "train/loss")) == 6
 
 
 def test_offline_top_k_teacher(tiny_model_dir, tmp_path):

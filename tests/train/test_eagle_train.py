@@ -13,7 +13,7 @@ from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.eagle import run
 from tests.conftest import tiny_model_overrides
-from tests.hub import compose_config
+from tests.hub import compose_config, logged
 
 
 def _cfg(tiny_model_dir, out, method, *extra):
@@ -22,16 +22,11 @@ def _cfg(tiny_model_dir, out, method, *extra):
         f"method={method}", "method.eval_steps=3", *extra])
 
 
-def _train_losses(out):
-    with open(out / "metrics.csv") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "train/loss"]
-
-
 def test_eagle1_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out, "eagle1"))
     assert summary["steps"] == 3
-    losses = _train_losses(out)
+    losses = logged(out, "train/loss")
     assert len(losses) == 3 and losses[-1] < losses[0], losses  # the whole train split is one batch
     for s in range(3):
         assert 0.0 <= summary[f"eval/step{s}_top1"] <= 1.0
@@ -54,7 +49,7 @@ def test_eagle3_reduced_vocab_and_training_time_test(tiny_model_dir, tmp_path):
     assert drafter.fc.weight.shape == (32, 3 * 32) and drafter.lm_head.weight.shape == (48, 32)
     d2t = drafter.target_ids
     assert d2t.shape == (48,) and bool((d2t[1:] > d2t[:-1]).all()) and int(d2t.max()) < 128
-    assert _train_losses(out)[-1] < _train_losses(out)[0]
+    assert logged(out, "train/loss")[-1] < logged(out, "train/loss")[0]
     metrics = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["key"].startswith("train/step")]
     assert {r["key"] for r in metrics} == {f"train/step{s}/loss" for s in range(3)}  # 3 unrolled steps
 
@@ -63,7 +58,7 @@ def test_resume_continues_and_other_config_is_refused(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run(_cfg(tiny_model_dir, out, "eagle1"))
     summary = run(_cfg(tiny_model_dir, out, "eagle1", "trainer.max_steps=5"))
-    assert summary["steps"] == 5 and len(_train_losses(out)) == 5
+    assert summary["steps"] == 5 and len(logged(out, "train/loss")) == 5
     with pytest.raises(DraftsmithError, match="another config"):
         run(_cfg(tiny_model_dir, out, "eagle1", "method.w_cls=0.5"))
 
@@ -146,7 +141,7 @@ def test_training_from_features_with_topk_logits(tiny_model_dir, tmp_path):
     prepare(compose_config("prepare", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "dtype=float32", "topk=16", f"output_dir={out}"]))
     summary = run(_cfg(tiny_model_dir, tmp_path / "run", "eagle1", f"data.features={out}"))
-    assert summary["steps"] == 3 and _train_losses(tmp_path / "run")[-1] < _train_losses(tmp_path / "run")[0]
+    assert summary["steps"] == 3 and logged(tmp_path / "run", "train/loss")[-1] < logged(tmp_path / "run", "train/loss")[0]
 
 
 def test_target_law_from_topk_logits_and_a_draft_vocab_match_the_full_law_on_those_tokens():
@@ -194,7 +189,7 @@ def test_fc_passthrough_starts_on_the_verifiers_state(tiny_model_dir, tmp_path, 
     assert not torch.allclose(random.fc(x), x[:, -h:], atol=0.1)  # the default is not a pass-through
     torch.testing.assert_close(drafter.layer.self_attn.q_proj.weight, random.layer.self_attn.q_proj.weight)
     trained = run(_cfg(tiny_model_dir, tmp_path / "run", method, *extra, "method.fc_init=passthrough"))
-    assert trained["steps"] == 3 and _train_losses(tmp_path / "run")[-1] < _train_losses(tmp_path / "run")[0]
+    assert trained["steps"] == 3 and logged(tmp_path / "run", "train/loss")[-1] < logged(tmp_path / "run", "train/loss")[0]
 
 
 def test_fc_init_refusals(tiny_model_dir, tmp_path):

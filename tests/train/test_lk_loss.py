@@ -136,15 +136,14 @@ def test_a_draft_model_trains_with_an_lk_loss(tiny_model_dir, tmp_path, kind):
     from draftsmith.models.draft import load_draft_model
     from draftsmith.train.draft import run
     from tests.conftest import tiny_model_overrides
-    from tests.hub import compose_config
-    from tests.train.test_draft_train import _metric
+    from tests.hub import compose_config, logged
 
     out = tmp_path / "run"
     summary = run(compose_config("draft", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "trainer=debug", "trainer.batch_size=16", "trainer.max_steps=4", "trainer.eval_every=2",
         "logger=csv", f"output_dir={out}", "method.student.num_layers=1", "method=draft-fkl",
         f"method.divergence={kind}", f"method.name=draft-{kind}"]))
-    losses, accept = _metric(out, "train/loss"), _metric(out, "train/acceptance_rate")
+    losses, accept = logged(out, "train/loss"), logged(out, "train/acceptance_rate")
     assert len(losses) == 4 and losses[-1] < losses[0] and accept[-1] > accept[0], (losses, accept)
     _, meta = load_draft_model(summary["drafter_dir"], vocab_size=128)
     assert meta["divergence"] == kind and 0 < summary["eval/acceptance_rate"] <= 1

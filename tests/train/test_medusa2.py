@@ -26,7 +26,8 @@ from draftsmith.train.medusa import (
     teacher_logits,
 )
 from tests.conftest import tiny_model_overrides
-from tests.decode.test_engine import LAW_CASES, V, engine_counts, exact_law, law_model, law_test, tree_paths
+from tests.drafters import random_heads
+from tests.laws import engine_counts, exact_law, law_model, law_test, tree_paths
 from tests.hub import compose_config
 from tests.tiny import tiny_llama
 
@@ -154,17 +155,13 @@ def test_warm_start_from_medusa1_heads(tiny_model_dir, tmp_path):
 
 def test_sampling_law_against_the_tuned_verifier():
     """The decoder's law at T > 0 is the TUNED verifier's (exact, enumerated), not the original's."""
-    tree, scale, temperature, top_k, top_p = LAW_CASES["tree-T0.7-topp0.9"]
+    tree, scale, temperature, top_k, top_p = "medusa-small", 10.0, 0.7, 0, 0.9
     joint, _ = perturbed_joint(law_model(scale), scale=0.5)
     tuned = merged_verifier(joint, joint.state_dict(), MCFG).double()
     law = exact_law(tuned, temperature, top_k, top_p)
     original = exact_law(law_model(scale), temperature, top_k, top_p)
     assert 0.5 * float((law - original).abs().sum()) > 0.05  # the two laws differ: the test can tell them apart
-    heads = MedusaHeads(MedusaConfig(32, V, num_heads=4), tuned.lm_head).double()
-    torch.manual_seed(0)
-    for block in heads.blocks:
-        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
-    proposer = make_proposer("medusa", heads=heads, paths=tree_paths(tree))
+    proposer = make_proposer("medusa", heads=random_heads(tuned), paths=tree_paths(tree))
     counts = engine_counts(tuned, proposer, 3000, temperature, top_k, top_p, seed=1)  # the chi-square decides
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0 and pvalue > 1e-3 and tv < 0.08, (pvalue, tv)

@@ -1,4 +1,3 @@
-import csv
 
 import pytest
 
@@ -6,7 +5,7 @@ from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.medusa import run
 from tests.conftest import tiny_model_overrides
-from tests.hub import compose_config
+from tests.hub import compose_config, logged
 
 
 def _cfg(tiny_model_dir, out, *extra):
@@ -15,16 +14,11 @@ def _cfg(tiny_model_dir, out, *extra):
         "method.num_heads=2", *extra])
 
 
-def _train_losses(out):
-    with open(out / "metrics.csv") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "train/loss"]
-
-
 def test_three_steps_loss_falls_and_checkpoint_reloads(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out))
     assert summary["steps"] == 3
-    losses = _train_losses(out)
+    losses = logged(out, "train/loss")
     assert len(losses) == 3 and losses[-1] < losses[0], losses  # the whole train split is one batch
     for k in range(2):
         assert 0.0 <= summary[f"eval/head{k}_top1"] <= summary[f"eval/head{k}_top5"] <= 1.0
@@ -41,7 +35,7 @@ def test_resume_continues_and_other_config_is_refused(tiny_model_dir, tmp_path):
     run(_cfg(tiny_model_dir, out))
     summary = run(_cfg(tiny_model_dir, out, "trainer.max_steps=5"))  # resumes at step 3
     assert summary["steps"] == 5
-    assert len(_train_losses(out)) == 5  # steps 1-3 from the first run, 4-5 from the resumed one
+    assert len(logged(out, "train/loss")) == 5  # steps 1-3 from the first run, 4-5 from the resumed one
     with pytest.raises(DraftsmithError, match="another config"):
         run(_cfg(tiny_model_dir, out, "method.decay=0.5"))
 

@@ -16,18 +16,13 @@ from draftsmith.models.eagle import EagleConfig, EagleDrafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.eagle import run, unroll, unroll_mask
 from tests.conftest import tiny_model_overrides
-from tests.hub import compose_config
+from tests.hub import compose_config, logged
 
 
 def _cfg(tiny_model_dir, out, method, *extra):
     return compose_config("eagle", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "trainer=debug", "trainer.batch_size=16", "logger=csv", f"output_dir={out}",
         f"method={method}", *extra])
-
-
-def _train_losses(out):
-    with open(out / "metrics.csv") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["key"] == "train/loss"]
 
 
 PEAGLE = ("method.draft_vocab_size=48", "method.fusion_layers=[0,1,-1]", "method.mask_token_id=5")
@@ -38,7 +33,7 @@ def test_peagle_trains_and_saves_a_parallel_drafter(tiny_model_dir, tmp_path, lo
     out = tmp_path / "run"
     summary = run(_cfg(tiny_model_dir, out, "peagle", *PEAGLE, f"method.loss={loss}"))
     assert summary["steps"] == 3
-    losses = _train_losses(out)
+    losses = logged(out, "train/loss")
     assert losses[-1] < losses[0], losses
     metrics = {r["key"] for r in csv.DictReader(open(out / "metrics.csv")) if r["key"].startswith("train/step")}
     assert metrics == {f"train/step{s}/loss" for s in range(4)}  # the 4 parallel depths
@@ -134,7 +129,7 @@ def test_training_peagle_from_features(features, tiny_model_dir, tmp_path):
                        "method.draft_vocab_size=48"))
     _, drafter, config, _ = load_drafter(summary["drafter_dir"])
     assert config.fusion_layers == [0, 1, 1] and config.parallel_tokens == 4 and summary["steps"] == 3
-    assert all(torch.isfinite(torch.tensor(_train_losses(tmp_path / "run"))))
+    assert all(torch.isfinite(torch.tensor(logged(tmp_path / "run", "train/loss"))))
 
 
 def test_keys_the_run_would_ignore_are_refused(tiny_model_dir, tmp_path):
@@ -184,3 +179,4 @@ def test_eagle3_checkpoints_are_unchanged_by_the_parallel_keys():
     old = {k: v for k, v in EagleConfig(32, 128, cfg, variant="eagle3", fusion_layers=[0, 1, 1]).__dict__.items()
            if k not in ("parallel_tokens", "mask_token_id")}
     assert EagleConfig(**old).parallel_tokens == 0
+

@@ -1,0 +1,84 @@
+"""Rows of every proposer kind for the batched-engine tests: their factories on one tiny
+verifier, a schedule of requests joining at staggered steps, and scripted budgets."""
+from __future__ import annotations
+
+import torch
+
+from draftsmith.decode.budget import StepCost
+from draftsmith.decode.engine import Engine
+from draftsmith.decode.proposers import make_proposer
+from tests.drafters import fitted_drafter, fitted_heads, noisy_copy
+from tests.tiny import tiny_llama
+
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+# (proposer, prompt seed, prompt length, new tokens, step at which it joins)
+SCHEDULE = [("eagle3", 1, 9, 24, 0), ("vanilla", 2, 5, 10, 0), ("medusa", 3, 21, 30, 0), ("draft", 4, 7, 16, 2),
+            ("eagle1", 5, 12, 20, 3), ("prompt_lookup", 6, 30, 18, 5), ("lookahead", 7, 6, 14, 6),
+            ("medusa", 8, 4, 12, 9)]
+
+
+def row_factories():
+    """-> (a tiny fp64 verifier, {kind: a function that builds a fresh proposer of that kind})."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_llama(eos_token_id=None)
+        heads, eagle1, eagle3 = fitted_heads(model), fitted_drafter(model, "eagle1"), fitted_drafter(model, "eagle3")
+        draft = noisy_copy(model, 0.02)
+    finally:
+        torch.set_num_threads(threads)
+    embed, head = model.get_input_embeddings(), model.lm_head
+    factories = {
+        "vanilla": lambda: None,
+        "medusa": lambda: make_proposer("medusa", heads=heads, paths=MEDUSA_TREE),
+        "eagle1": lambda: make_proposer("eagle", drafter=eagle1, embed_tokens=embed, lm_head=head, depth=3, top_k=2,
+                                        total_tokens=6),
+        "eagle3": lambda: make_proposer("eagle", drafter=eagle3, embed_tokens=embed, lm_head=head,
+                                        paths=[[0], [0, 0], [1], [0, 0, 0]]),
+        "draft": lambda: make_proposer("draft", model=draft, vocab_size=128, num_tokens=3, tree_topk=[2]),
+        "prompt_lookup": lambda: make_proposer("prompt_lookup", num_tokens=4, max_ngram=2, min_ngram=1),
+        "lookahead": lambda: make_proposer("lookahead", lm_head=head, window=3, ngram=3, guess_set=3, seed=0),
+    }
+    return model, factories
+
+
+def row_prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(4, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_schedule(model, factories, schedule, max_num_seqs=3, add_kwargs=None, **engine_kwargs):
+    """Add each request at its step; step until all are done -> (requests, the widest batch seen)."""
+    engine = Engine(model, max_num_seqs=max_num_seqs, prefill_chunk=8, **engine_kwargs)
+    requests, step, widest = {}, 0, 0
+    while len(requests) < len(schedule) or engine.busy:
+        for i, (kind, seed, length, new, at) in enumerate(schedule):
+            if at == step:
+                extra = add_kwargs(i) if add_kwargs else {}
+                requests[i] = engine.add(row_prompt(seed, length), proposer=factories[kind](), max_new_tokens=new,
+                                         eos_token_id=(), **extra)
+        engine.step()
+        widest = max(widest, len(engine.decoding))
+        step += 1
+    return [requests[i] for i in range(len(schedule))], widest
+
+
+def bandwidth_bound(knee: int) -> StepCost:
+    """A forward that costs the same up to `knee` tokens (reading the weights), then grows linearly."""
+    return StepCost({n: 0.01 * max(1.0, n / knee) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
+
+
+class Alternating:
+    """A scripted budget: rows skip their proposer every other step, and other trees are cut to 2
+    nodes past the root."""
+
+    name = "alternating"
+
+    def __init__(self):
+        self.steps = 0
+
+    def choose(self, rows):
+        self.steps += 1
+        return [0 if (self.steps + i) % 2 else 2 for i in range(len(rows))]
+
+    def observe(self, *args):
+        pass
