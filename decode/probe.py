@@ -32,7 +32,14 @@ from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.vocab import IGNORE_INDEX
 
 PROBE_FILE = "probe.json"
-DEFAULT_DECODE = {"medusa": "medusa-cpu", "eagle": "eagle-dynamic", "draft": "draft-chain"}  # per drafter kind
+# per drafter kind (a P-EAGLE drafter is an eagle one that drafts in parallel)
+DEFAULT_DECODE = {"medusa": "medusa-cpu", "eagle": "eagle-dynamic", "peagle": "peagle-dynamic", "draft": "draft-chain"}
+
+
+def default_decode(drafter) -> str:
+    """The conf/decode preset decode='auto' means for this drafter."""
+    parallel = drafter.kind == "eagle" and getattr(drafter.config, "parallel_tokens", 0)
+    return DEFAULT_DECODE["peagle" if parallel else drafter.kind]
 
 
 def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
@@ -52,8 +59,8 @@ def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
 
 
 def decode_preset(decode, drafter):
-    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': DEFAULT_DECODE of the
-    drafter's kind, a Medusa tree cut to the drafter's number of heads."""
+    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': default_decode(drafter),
+    a Medusa tree cut to the drafter's number of heads."""
     if decode == "auto" and drafter.kind == "medusa":
         preset = decode_preset(DEFAULT_DECODE["medusa"], drafter)
         kept = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
@@ -61,7 +68,7 @@ def decode_preset(decode, drafter):
             preset.paths, preset.name = kept, f"{preset.name}, paths cut to {drafter.config.num_heads} heads"
         return preset
     if isinstance(decode, str):
-        return OmegaConf.load(preset_path(DEFAULT_DECODE[drafter.kind] if decode == "auto" else decode))
+        return OmegaConf.load(preset_path(default_decode(drafter) if decode == "auto" else decode))
     return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
 
 

@@ -180,3 +180,15 @@ def test_eagle3_checkpoints_are_unchanged_by_the_parallel_keys():
            if k not in ("parallel_tokens", "mask_token_id")}
     assert EagleConfig(**old).parallel_tokens == 0
 
+
+def test_decode_auto_is_the_peagle_tree_for_a_parallel_drafter():
+    """decode=auto (the end-of-training probe, bench_peers) drafts a P-EAGLE drafter with its own
+    preset, an EAGLE one with the EAGLE-2 tree."""
+    from types import SimpleNamespace
+
+    from draftsmith.decode.probe import decode_preset
+
+    peagle = SimpleNamespace(kind="eagle", config=SimpleNamespace(parallel_tokens=4))
+    eagle3 = SimpleNamespace(kind="eagle", config=SimpleNamespace(parallel_tokens=0))
+    assert decode_preset("auto", peagle).name == "peagle-dynamic"
+    assert decode_preset("auto", eagle3).name == "eagle-dynamic"
