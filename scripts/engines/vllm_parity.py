@@ -115,13 +115,26 @@ def spec_config(method: str | None, export: str | Path | None, k: int) -> dict |
     return out
 
 
+def absolute_paths(job: dict) -> dict:
+    """The job with its model folders (the verifier's, the speculative_config's) made absolute: the
+    runner works in a folder of its own, where a relative folder would be read as a hub repo id."""
+    job = dict(job)
+    if Path(str(job.get("model"))).exists():
+        job["model"] = str(Path(job["model"]).resolve())
+    spec = job.get("speculative_config")
+    if spec and spec.get("model") and Path(str(spec["model"])).exists():
+        job["speculative_config"] = {**spec, "model": str(Path(spec["model"]).resolve())}
+    return job
+
+
 def run_vllm(jobs: list[dict], *, dtype: str = "float32", max_model_len: int = 512, threads: int = 1,
              kv_cache_mib: int = 64, timeout: float = 900, log=print, workdir: str | Path | None = None) -> dict:
     """Run the jobs (scripts/engines/vllm_runner.py's format) in ONE vLLM subprocess -> the result,
     {"vllm": version, "jobs": {name: job result}}. Builds the venv first if needed; raises
     EngineUnavailable with the reason when vLLM cannot be installed or dies."""
     python = ensure(log)
-    request = {"dtype": dtype, "max_model_len": max_model_len, "seed": 0, "kv_cache_mib": kv_cache_mib, "jobs": jobs}
+    request = {"dtype": dtype, "max_model_len": max_model_len, "seed": 0, "kv_cache_mib": kv_cache_mib,
+               "jobs": [absolute_paths(j) for j in jobs]}
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))

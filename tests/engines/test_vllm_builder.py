@@ -108,3 +108,36 @@ def test_the_runner_env_never_carries_the_projects_paths(monkeypatch):
     assert "PYTHONPATH" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override kv_cache_memory_bytes
     assert env["OMP_NUM_THREADS"] == "2" and env["NUMBA_NUM_THREADS"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_relative_model_folders_reach_the_runner_absolute(tmp_path, monkeypatch):
+    """The runner works in a temporary folder of its own: a drafter folder given relative to the
+    caller's directory (outputs/...) must reach it absolute, or vLLM reads it as a hub repo id."""
+    import json
+    import subprocess
+
+    from scripts.engines import vllm_parity
+
+    (tmp_path / "outputs" / "export" / "eagle3").mkdir(parents=True)
+    (tmp_path / "verifier").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(vllm_parity, "ensure", lambda log: "python")
+    seen = {}
+
+    def fake_run(argv, cwd, **kwargs):
+        request = json.loads(open(argv[2]).read())
+        seen.update(request=request, cwd=cwd)
+        with open(argv[3], "w") as f:
+            json.dump({"vllm": "x", "jobs": [{"name": j["name"], "error": None} for j in request["jobs"]]}, f)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(vllm_parity.subprocess, "run", fake_run)
+    vllm_parity.run_vllm([{"name": "+ eagle3", "model": "verifier", "prompts": [[1]], "max_tokens": 1,
+                           "speculative_config": {"method": "eagle3", "model": "outputs/export/eagle3"}},
+                          {"name": "ngram", "model": "HuggingFaceTB/not-a-folder", "prompts": [[1]], "max_tokens": 1,
+                           "speculative_config": {"method": "ngram"}}])
+    first, second = seen["request"]["jobs"]
+    assert seen["cwd"] != str(tmp_path)
+    assert first["model"] == str(tmp_path / "verifier")
+    assert first["speculative_config"]["model"] == str(tmp_path / "outputs" / "export" / "eagle3")
+    assert second["model"] == "HuggingFaceTB/not-a-folder" and "model" not in second["speculative_config"]
