@@ -27,6 +27,7 @@ Time it alone on the box (nothing else running): both engines are timed by wall 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(report: dict, path: Path) -> None:
+    """tokens/s of every timed row, one panel per batching, coloured by engine, tau beside each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in report["rows"] if "tokens_per_s" in r]
+    panels = [("one request at a time", [r for r in timed if r["batch"] == 1]),
+              ("every prompt in one batch", [r for r in timed if r["batch"] > 1])]
+    panels = [(title, rows) for title, rows in panels if rows]
+    engines = sorted({r["engine"] for r in timed})
+    colour = {e: f"C{i}" for i, e in enumerate(engines)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.42 * max(len(r) for _, r in panels) + 1.6),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        y = range(len(rows))
+        ax.barh(list(y), [r["tokens_per_s"] for r in rows], color=[colour[r["engine"]] for r in rows])
+        ax.set_yticks(list(y), [f"{r['engine']}: {r['row']}" for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        for i, r in zip(y, rows):
+            tau = f" (tau {r['tau']:.2f})" if r.get("tau") else ""
+            ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:.1f}{tau}", va="center", fontsize=7)
+        ax.set(xlabel="tokens / s", title=title)
+        ax.margins(x=0.25)
+    fig.suptitle(f"{report['model']} {report['dtype']}, {report['prompts']} prompts x {report['max_new_tokens']} "
+                 f"tokens, greedy, {report['threads']} threads")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def run(cfg: DictConfig) -> dict:
     from draftsmith.decode.evaluate import prompt_ids
     from draftsmith.models.verifier import load_verifier, resolve_path
@@ -209,6 +244,7 @@ def run(cfg: DictConfig) -> dict:
     write_atomic_text(out / "bench_peers.json", json.dumps(report, indent=2))
     write_atomic_text(out / "bench_peers.md", f"{cfg.model.name} ({cfg.model.dtype}), {len(prompts)} prompts x "
                                               f"{cfg.max_new_tokens} tokens, greedy, {cfg.threads} threads\n\n{md}\n")
+    plot(report, out / "bench_peers.png")
     print(md)
     return report
 

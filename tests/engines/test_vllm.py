@@ -151,7 +151,7 @@ def _engine(tmp_path_factory):
                                      {"role": "assistant", "content": tok.decode(answer)}]})
     (root / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     model_overrides = tiny_model_overrides(root / "verifier")
-    base = model_overrides + [f"data=chat-jsonl", f"data.path={root / 'answers.jsonl'}", "data.eval_size=2",
+    base = model_overrides + ["data=chat-jsonl", f"data.path={root / 'answers.jsonl'}", "data.eval_size=2",
                               "trainer=debug", "trainer.batch_size=8", "trainer.eval_every=1000",
                               "trainer.save_every=1000", "logger=none", "probe.num_prompts=0"]
     trainers = {"eagle": train_eagle, "medusa": train_medusa, "draft": train_draft}
@@ -360,3 +360,4 @@ def test_bench_peers_times_vllm_beside_draftsmith(engine, tmp_path):
         assert best["speedup"] == 1.0 and all(r["speedup"] <= 1.0 for r in plain)
         assert all(r["vs"] == f"{best['engine']} plain" for k, r in rows.items() if k[2] == batched)
     assert (tmp_path / "bench_peers.md").read_text().count("\n| ") == len(report["rows"]) + 1
+    assert (tmp_path / "bench_peers.png").stat().st_size > 0
