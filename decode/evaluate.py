@@ -24,51 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.decode import sampling
+from draftsmith.decode.build import build_proposer, check_drafter
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.lookup import PromptLookupGraft
-from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.models.checkpoint import drafter_dir, load_drafter
 from draftsmith.models.entry import compose_main, launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier, resolve_device
-
-
-def check_drafter(cfg) -> str:
-    """The method's proposer kind; a method that needs a trained drafter without its folder is
-    refused here, before the verifier loads (load_drafter checks the folder's contents)."""
-    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
-    if kind == "vanilla" or kind in DRAFT_FREE:
-        # a drafter the caller named would be ignored: refused. A config's own default drafter
-        # (evaluate.yaml's outputs/medusa-${model.name}/final) is an interpolation, no request.
-        if cfg.drafter is not None and not OmegaConf.is_interpolation(cfg, "drafter"):
-            raise DraftsmithError(f"drafter={cfg.drafter} would be ignored: method={cfg.method.name} decodes "
-                                  f"without a trained drafter; drop drafter=, or pick the method that decodes "
-                                  f"with it (method=medusa, eagle or draft)")
-        return kind
-    if not cfg.drafter:
-        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
-                              f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
-    drafter_dir(cfg.drafter)
-    return kind
-
-
-def build_proposer(cfg, verifier):
-    """The method's proposer (None = plain decoding) and the drafter's metadata."""
-    kind = check_drafter(cfg)
-    if kind == "vanilla":
-        return None, {}
-    if kind in DRAFT_FREE:
-        return build_draft_free(cfg, verifier, kind), {}
-    drafter = load_drafter(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
-                           allow_mismatch=cfg.allow_fingerprint_mismatch,
-                           verifier_dims=(verifier.config.hidden_size, verifier.lm_head.weight.shape[0]),
-                           verifier_num_layers=verifier.config.num_hidden_layers, dtype=verifier.model.dtype)
-    if drafter.kind != kind:
-        raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter.kind!r} checkpoint; "
-                              f"method={cfg.method.name} needs {kind}")
-    return drafter.proposer(verifier, cfg.decode, seed=cfg.seed), drafter.meta
 
 
 # HF assisted generation reads its draft length and schedule from the ASSISTANT's generation
@@ -105,27 +68,6 @@ def assisted_runs(cfg, device: torch.device) -> dict[str, dict]:
 def assisted_schedule(kwargs: dict) -> dict:
     """The schedule an assisted run starts from (for results.json)."""
     return {key: getattr(kwargs["assistant_model"].generation_config, key) for key in ASSISTED_KEYS}
-
-
-DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter
-DECODE_PRESETS = {"prompt_lookup": "prompt-lookup", "lookahead": "lookahead"}
-
-
-def build_draft_free(cfg, verifier, kind: str):
-    """Proposers configured entirely by their decode preset."""
-    d = cfg.decode
-    if d.get("proposer") != kind:
-        raise DraftsmithError(f"method={cfg.method.name} needs a {kind} decode preset and decode={d.name} is not "
-                              f"one: pass decode={DECODE_PRESETS[kind]}")
-    device = verifier.model.device
-    if kind == "prompt_lookup":
-        from draftsmith.decode.datastore import retrieval_for
-
-        return make_proposer(kind, num_tokens=d.num_tokens, max_ngram=d.max_ngram, min_ngram=d.min_ngram,
-                             num_matches=d.num_matches, device=device,
-                             retrieval=retrieval_for(d, verifier.tokenizer))
-    return make_proposer(kind, lm_head=verifier.lm_head, window=d.window, ngram=d.ngram, guess_set=d.guess_set,
-                         pool_from_prompt=d.pool_from_prompt, seed=cfg.seed, device=device)
 
 
 def prompt_ids(tokenizer, messages) -> torch.Tensor:

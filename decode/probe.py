@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from draftsmith.decode.build import proposer_for
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import CONF_DIR
@@ -108,7 +109,7 @@ def check_config(probe_cfg) -> None:
 def measure(verifier, drafter, decode_cfg, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
             progress: bool = True) -> dict:
     """Greedy decoding of every prompt with the drafter -> {"tau", "per_prompt_tau", "tokens", "seconds"}."""
-    proposer = drafter.proposer(verifier, decode_cfg, seed=seed)
+    proposer = proposer_for(drafter, verifier, decode_cfg, seed=seed)
     device = verifier.model.device
     outputs, t0 = [], time.time()
     bar = tqdm(prompts, desc="probe", unit="prompt", disable=not progress)

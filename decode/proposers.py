@@ -40,7 +40,7 @@ from torch import nn
 
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, verify_inputs
-from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError
 
 
 @dataclass(eq=False)
@@ -256,79 +256,3 @@ def make_proposer(name: str, **kwargs) -> Proposer:
     except KeyError:
         raise DraftsmithError(f"unknown proposer {name!r}; valid: {', '.join(sorted(PROPOSERS))}") from None
     return getattr(importlib.import_module(module), cls)(**kwargs)
-
-
-def eagle_tree(decode_cfg) -> dict:
-    """EAGLE tree settings from a decode preset: a static path list, or EAGLE-2 depth/top_k/total_tokens."""
-    if "paths" in decode_cfg:
-        return {"paths": [tuple(p) for p in decode_cfg.paths]}
-    missing = [k for k in ("depth", "top_k", "total_tokens") if decode_cfg.get(k) is None]
-    if missing:
-        raise DraftsmithError(f"decode={decode_cfg.name} has neither paths nor {', '.join(missing)}; "
-                              f"use decode=eagle-chain, eagle-static or eagle-dynamic")
-    return {k: int(decode_cfg[k]) for k in ("depth", "top_k", "total_tokens")}
-
-
-def _medusa_from(drafter, verifier, d, seed):
-    if "paths" not in d:
-        raise DraftsmithError(f"decode={d.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
-                              f"a static tree such as decode=medusa-small")
-    if d.get("draft_quant", "none") != "none":  # an eagle-* preset's key: refused, not ignored
-        raise DraftsmithError(f"decode.draft_quant={d.draft_quant}: int8 drafting is for EAGLE drafters and draft "
-                              f"models; Medusa heads draft through the verifier's lm_head: set decode.draft_quant=none")
-    return make_proposer("medusa", heads=drafter.module, paths=[tuple(p) for p in d.paths], lm_head=verifier.lm_head)
-
-
-def _eagle_from(drafter, verifier, d, seed):
-    name = "peagle" if getattr(drafter.module.config, "parallel_tokens", 0) else "eagle"  # P-EAGLE: decode/peagle.py
-    return make_proposer(name, drafter=drafter.module, embed_tokens=verifier.embed_tokens,
-                         lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"), **eagle_tree(d))
-
-
-def _draft_from(drafter, verifier, d, seed):
-    if d.get("proposer") != "draft":
-        raise DraftsmithError(f"a draft model needs a draft decode preset and decode={d.name} is not one: "
-                              f"pass decode=draft-chain or draft-tree")
-    # decode.draft_vocab: saved = the reduced vocabulary the draft folder holds (if any), full = all V rows
-    saved = choose({"saved": True, "full": False}, d.get("draft_vocab", "saved"), "decode.draft_vocab")
-    return make_proposer("draft", model=drafter.module, vocab_size=verifier.lm_head.weight.shape[0],
-                         num_tokens=d.num_tokens, tree_topk=list(d.tree_topk), length_schedule=d.length_schedule,
-                         min_tokens=d.min_tokens, max_tokens=d.max_tokens, confidence=d.confidence, seed=seed,
-                         vocab_rows=getattr(drafter.module, "draft_vocab", None) if saved else None,
-                         quant=d.get("draft_quant", "none"))
-
-
-# drafter kind (models/checkpoint.py) -> proposer factory (drafter, verifier, decode preset, seed)
-FROM_DRAFTER = {"medusa": _medusa_from, "eagle": _eagle_from, "draft": _draft_from}
-
-
-def proposer_for(drafter, verifier, decode_cfg, seed: int = 0) -> Proposer:
-    """The proposer of a loaded drafter (models.checkpoint.Drafter) on `verifier`, in its dtype and
-    device, configured by a decode preset: what `Drafter.proposer` returns."""
-    build = FROM_DRAFTER[drafter.kind]
-    module = drafter.module.to(device=verifier.model.device, dtype=verifier.model.dtype)
-    tokenizer = verifier.tokenizer if decode_cfg.get("datastore") else None  # the datastore is checked against it
-    return with_lookup(build(drafter._replace(module=module), verifier, decode_cfg, seed), decode_cfg, tokenizer)
-
-
-def with_lookup(proposer: Proposer, decode_cfg, tokenizer=None) -> Proposer:
-    """Graft prompt lookup onto the drafter's tree when the preset asks (decode.lookup_tokens > 0;
-    decode/lookup.py: PromptLookupGraft), and a corpus datastore's continuations when
-    decode.datastore is set (decode/datastore.py; checked against the verifier's `tokenizer`):
-    EAGLE and Medusa trees (deterministic), a draft model's when greedy (it samples its drafts
-    at temperature > 0)."""
-    from draftsmith.decode.datastore import retrieval_for  # numpy + safetensors, only when asked
-
-    n = decode_cfg.get("lookup_tokens", 0)
-    retrieval = retrieval_for(decode_cfg, tokenizer)
-    if not n and retrieval is None:
-        return proposer
-    if proposer.name not in ("eagle", "peagle", "medusa", "draft"):
-        what = f"decode.lookup_tokens={n}" if n else f"decode.datastore={decode_cfg.datastore}"
-        raise DraftsmithError(f"{what}: the graft (prompt lookup, a datastore) grafts onto EAGLE, Medusa and "
-                              f"draft-model trees only, not a {proposer.name} proposer's; "
-                              f"set decode.lookup_tokens=0 decode.datastore=null")
-    from draftsmith.decode.lookup import PromptLookupGraft  # lookup imports this module
-
-    return PromptLookupGraft(proposer, num_tokens=int(n), max_ngram=int(decode_cfg.get("lookup_max_ngram", 3)),
-                             min_ngram=int(decode_cfg.get("lookup_min_ngram", 1)), retrieval=retrieval)

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from draftsmith.decode.budget import make_budget
 from draftsmith.decode.engine import SLOT_BUCKET, Engine
 from draftsmith.decode.forward import kv_shape
-from draftsmith.decode.evaluate import build_proposer, check_drafter
+from draftsmith.decode.build import build_proposer, check_drafter
 from draftsmith.decode.probe import read_probe
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError

@@ -46,12 +46,6 @@ class Drafter(NamedTuple):
     config: object  # MedusaConfig | EagleConfig | the draft model's HF config
     meta: dict
 
-    def proposer(self, verifier, decode_cfg, seed: int = 0):
-        """The decoder's proposer for this drafter over `verifier`, from a decode preset."""
-        from draftsmith.decode.proposers import proposer_for  # decode builds proposers; models only loads
-
-        return proposer_for(self, verifier, decode_cfg, seed)
-
 
 MEDUSA2_PARTS = ("heads", "verifier")  # a Medusa-2 output folder: the heads, the tuned verifier (HF folder)
 

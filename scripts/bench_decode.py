@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import DynamicCache
 
 from draftsmith.decode import evaluate
+from draftsmith.decode.build import check_drafter
 from draftsmith.decode.engine import sync_device
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
@@ -64,7 +65,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.model.dtype is not None:  # each run's dtype comes from dtypes: a model.dtype would be ignored
         raise DraftsmithError(f"model.dtype={cfg.model.dtype} would be ignored: bench_decode measures each of "
                               f"dtypes={list(cfg.dtypes)}; pass dtypes=[{cfg.model.dtype}] instead")
-    evaluate.check_drafter(cfg)  # before the verify-cost measurement, not after it
+    check_drafter(cfg)  # before the verify-cost measurement, not after it
     device = resolve_device(cfg.device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

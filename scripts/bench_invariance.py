@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode.engine import generate, summarize
-from draftsmith.decode.evaluate import build_proposer, prompt_ids, save_plot
+from draftsmith.decode.build import build_proposer
+from draftsmith.decode.evaluate import prompt_ids, save_plot
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError

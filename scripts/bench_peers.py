@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:  # `python scripts/bench_peers.py` puts scripts/ f
 
 def draftsmith_rows(cfg: DictConfig, verifier, prompts: list[list[int]], drafters: dict) -> list[dict]:
     from draftsmith.decode.batch import generate_batch
+    from draftsmith.decode.build import proposer_for
     from draftsmith.decode.engine import generate
     from draftsmith.decode.probe import decode_preset
     from scripts.engines.vllm_parity import chain_preset
@@ -81,10 +82,10 @@ def draftsmith_rows(cfg: DictConfig, verifier, prompts: list[list[int]], drafter
                      "tokens": [out[i] for i in range(len(prompts))], "tau": None})
     for name, drafter in drafters.items():
         preset = decode_preset(cfg.decode, drafter)
-        rows.append(timed(f"+ {name} ({preset.name})", lambda d=drafter, p=preset: d.proposer(verifier, p)))
+        rows.append(timed(f"+ {name} ({preset.name})", lambda d=drafter, p=preset: proposer_for(d, verifier, p)))
         if cfg.k:
             chain = chain_preset(drafter.kind, cfg.k)
-            rows.append(timed(f"+ {name} (chain of {cfg.k})", lambda d=drafter, p=chain: d.proposer(verifier, p)))
+            rows.append(timed(f"+ {name} (chain of {cfg.k})", lambda d=drafter, p=chain: proposer_for(d, verifier, p)))
     return rows
 
 

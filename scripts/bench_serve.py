@@ -720,7 +720,8 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    from draftsmith.decode.evaluate import build_proposer, prompt_ids
+    from draftsmith.decode.build import build_proposer
+    from draftsmith.decode.evaluate import prompt_ids
     from draftsmith.models.sources import load_prompts
     from draftsmith.models.verifier import load_verifier, resolve_device
 

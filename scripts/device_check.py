@@ -344,7 +344,8 @@ def drafter_rows(cfg, out: Path) -> tuple[dict, list[str]]:
 
 def proposers(cfg, out: Path, verifier, names=None) -> tuple[dict, dict, list[str]]:
     """name -> proposer of every drafter to decode with (those in `names`), their rows, what is missing."""
-    from draftsmith.decode.evaluate import build_proposer, evaluate_config
+    from draftsmith.decode.build import build_proposer
+    from draftsmith.decode.evaluate import evaluate_config
 
     rows, missing = drafter_rows(cfg, out)
     built = {}

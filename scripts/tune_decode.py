@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.decode import evaluate, sampling
+from draftsmith.decode.build import build_proposer, check_drafter
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import write_atomic_text
@@ -89,7 +90,7 @@ def run(cfg: DictConfig) -> dict:
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     candidates = candidate_list(cfg)
     device = resolve_device(cfg.device)
-    evaluate.check_drafter(cfg)
+    check_drafter(cfg)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = load_verifier(cfg.model, device=device)
@@ -97,7 +98,7 @@ def run(cfg: DictConfig) -> dict:
     proposers, names = {}, [label(c, i) for i, c in enumerate(candidates)]
     for name, c in zip(names, candidates):  # each candidate's proposer, built (and its settings checked) before any timing
         cand_cfg = OmegaConf.merge(cfg, {"decode": c})
-        proposer, _ = evaluate.build_proposer(cand_cfg, verifier)
+        proposer, _ = build_proposer(cand_cfg, verifier)
         if proposer is None:
             raise DraftsmithError(f"method={cfg.method.name} has no proposer to tune; pick a drafter's method")
         proposers[name] = proposer

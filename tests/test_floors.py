@@ -12,6 +12,39 @@ from tests.conftest import tiny_model_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def imported_modules(folder: str) -> dict[str, set[str]]:
+    """file -> every module its code imports, at the top or inside a function (read from the source)."""
+    import ast
+
+    out = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+        out[str(path.relative_to(ROOT))] = names
+    return out
+
+
+FLOORS = {"models": ("decode", "train"), "decode": ("train",)}  # a floor never imports the ones above it
+
+
+def test_no_floor_imports_the_floors_above_it():
+    """models < decode, models < train, decode never imports train: in every import of every file,
+    lazy ones inside functions included."""
+    wrong = {}
+    for floor, above in FLOORS.items():
+        for path, names in imported_modules(floor).items():
+            bad = sorted(n for n in names if any(n.split(".")[0] == up or n.split(".")[:2] == ["draftsmith", up]
+                                                 for up in above))
+            if bad:
+                wrong[path] = bad
+    assert not wrong, wrong
+    assert "draftsmith.decode.proposers" in imported_modules("decode")["decode/build.py"]  # the scan reads imports
+
+
 def test_the_decoder_imports_no_training_code():
     code = ("import sys\n"
             "import draftsmith.decode.engine, draftsmith.decode.evaluate, draftsmith.decode.proposers\n"

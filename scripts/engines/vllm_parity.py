@@ -68,12 +68,13 @@ def draftsmith_chains(verifier, drafter, prompts: list[list[int]], max_new_token
                       **decode_overrides) -> dict:
     """-> {"tokens": [[ids]], "drafts": [[[k ids] per step]], "accepted": [[n per step]]} for a loaded
     drafter (models.checkpoint.Drafter) on a loaded verifier (models.verifier.Verifier)."""
+    from draftsmith.decode.build import proposer_for
     from draftsmith.decode.engine import generate
 
     decode = chain_preset(drafter.kind, k, **decode_overrides)
     out = {"tokens": [], "drafts": [], "accepted": []}
     for prompt in prompts:
-        proposer = _Recorder(drafter.proposer(verifier, decode))
+        proposer = _Recorder(proposer_for(drafter, verifier, decode))
         res = generate(verifier.model, torch.tensor([prompt]), proposer=proposer, max_new_tokens=max_new_tokens,
                        eos_token_id=())
         if len(proposer.chains) != len(res.steps):

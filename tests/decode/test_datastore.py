@@ -31,7 +31,7 @@ from draftsmith.decode.datastore import (
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, PromptLookupProposer
-from draftsmith.decode.proposers import with_lookup
+from draftsmith.decode.build import with_lookup
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.decode.grafts import GRAFTED_PRESETS, inner_proposer

@@ -19,7 +19,8 @@ from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, graft
-from draftsmith.decode.proposers import DraftTree, with_lookup
+from draftsmith.decode.build import with_lookup
+from draftsmith.decode.proposers import DraftTree
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides

@@ -80,6 +80,7 @@ def test_a_medusa_drafter_refuses_int8_rather_than_ignoring_it(tmp_path):
 
     from omegaconf import OmegaConf
 
+    from draftsmith.decode.build import proposer_for
     from draftsmith.models.checkpoint import load_drafter
     from draftsmith.models.errors import DraftsmithError
     from tests.tiny import save_tiny_medusa
@@ -88,7 +89,7 @@ def test_a_medusa_drafter_refuses_int8_rather_than_ignoring_it(tmp_path):
     verifier = tiny_llama(dtype=torch.float32)
     target = SimpleNamespace(model=verifier, lm_head=verifier.lm_head)
     preset = {"name": "eagle-chain", "paths": [[0], [0, 0]]}
-    assert drafter.proposer(target, OmegaConf.create({**preset, "draft_quant": "none"})).name == "medusa"
+    assert proposer_for(drafter, target, OmegaConf.create({**preset, "draft_quant": "none"})).name == "medusa"
     with pytest.raises(DraftsmithError, match="decode.draft_quant=int8: .*set decode.draft_quant=none") as info:
-        drafter.proposer(target, OmegaConf.create({**preset, "draft_quant": "int8"}))
+        proposer_for(drafter, target, OmegaConf.create({**preset, "draft_quant": "int8"}))
     assert "\n" not in str(info.value)

@@ -408,7 +408,7 @@ def test_serve_entry_never_logs_the_key(tiny_model_dir):
                                             ("serve", ["method=lookahead", "decode=lookahead"]),
                                             ("evaluate", ["method=prompt-lookup", "decode=prompt-lookup"])])
 def test_a_drafter_the_method_would_ignore_is_refused(tiny_model_dir, drafter, config, method):
-    from draftsmith.decode.evaluate import check_drafter
+    from draftsmith.decode.build import check_drafter
     from tests.hub import compose_config
 
     cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, f"drafter={drafter}"])

@@ -29,6 +29,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import draftsmith.models.gguf as gguf_export
+from draftsmith.decode.build import proposer_for
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import prompt_ids
 from draftsmith.models.checkpoint import load_drafter
@@ -105,7 +106,7 @@ def draftsmith_counts(setup, drafter_dir: Path) -> list[dict]:
     drafter = load_drafter(drafter_dir)
     rows = []
     for x in setup["ids"]:
-        proposer = drafter.proposer(verifier, OmegaConf.create(CHAIN[drafter.kind]))
+        proposer = proposer_for(drafter, verifier, OmegaConf.create(CHAIN[drafter.kind]))
         out = generate(verifier.model, x, proposer=proposer, max_new_tokens=NEW_TOKENS, eos_token_id=())
         emitted, drafted, accepted = 1, 0, 0  # the prefill's token
         for step in out.steps:

@@ -3,6 +3,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.decode.build import proposer_for
 from draftsmith.models.draft import build_student, load_draft_model, save_draft_model
 from draftsmith.models.errors import DraftsmithError
 from tests.tiny import tiny_llama, tiny_tokenizer
@@ -105,20 +106,20 @@ def test_reduced_draft_vocab_is_saved_beside_the_hf_files_and_drafted_from(tmp_p
     target = SimpleNamespace(model=verifier, lm_head=verifier.lm_head)
     preset = {"name": "draft-chain", "proposer": "draft", "num_tokens": 2, "tree_topk": [], "length_schedule": "fixed",
               "min_tokens": 1, "max_tokens": 4, "confidence": 0.0}
-    saved = drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved"}))
+    saved = proposer_for(drafter, target, OmegaConf.create({**preset, "draft_vocab": "saved"}))
     assert torch.equal(saved.rows, d2t)
-    assert drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "full"})).rows is None
-    int8 = drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved", "draft_quant": "int8"}))
+    assert proposer_for(drafter, target, OmegaConf.create({**preset, "draft_vocab": "full"})).rows is None
+    int8 = proposer_for(drafter, target, OmegaConf.create({**preset, "draft_vocab": "saved", "draft_quant": "int8"}))
     assert int8.quant == "int8" and torch.equal(int8.rows, d2t)  # decode.draft_quant reaches the proposer
     assert saved.quant == "none"  # the presets' default; the drafter's own module keeps its float weights
     assert isinstance(drafter.module.lm_head, torch.nn.Linear)
     with pytest.raises(DraftsmithError, match="decode.draft_quant='fp4'.*valid: int8, none"):
-        drafter.proposer(target, OmegaConf.create({**preset, "draft_quant": "fp4"}))
+        proposer_for(drafter, target, OmegaConf.create({**preset, "draft_quant": "fp4"}))
     with pytest.raises(DraftsmithError, match="decode.draft_vocab='some'.*valid: full, saved"):
-        drafter.proposer(target, OmegaConf.create({**preset, "draft_vocab": "some"}))
+        proposer_for(drafter, target, OmegaConf.create({**preset, "draft_vocab": "some"}))
     plain = save_draft_model(tmp_path / "plain", student, tiny_tokenizer(), verifier_fingerprint="abc",
                              verifier_name="tiny")
-    assert load_drafter(plain).proposer(target, OmegaConf.create({**preset, "draft_vocab": "saved"})).rows is None
+    assert proposer_for(load_drafter(plain), target, OmegaConf.create({**preset, "draft_vocab": "saved"})).rows is None
     (out / "draft_vocab.safetensors").write_bytes(b"torn")
     with pytest.raises(DraftsmithError, match="draft_vocab.safetensors is corrupt.*delete it") as info:
         load_draft_model(out)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from draftsmith.decode.build import proposer_for
 from draftsmith.models.checkpoint import load_drafter, save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -246,8 +247,8 @@ def test_export_import_round_trip_decodes_identically(case, drafters, verifier, 
     v = VerifierView(verifier)
     steps = []
     for seed in (1, 2):
-        a = decode_lossless(verifier, original.proposer(v, decode), seed)
-        b = decode_lossless(verifier, imported.proposer(v, decode), seed)
+        a = decode_lossless(verifier, proposer_for(original, v, decode), seed)
+        b = decode_lossless(verifier, proposer_for(imported, v, decode), seed)
         assert a == b, case  # the same proposals: the same accepted counts step by step
         steps += a[1]
     if kind in ("eagle3", "eagle1"):  # (untrained heads propose what is rarely accepted: the logits below decide)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.decode.build import proposer_for
 from draftsmith.models.checkpoint import load_drafter, save_drafter
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import fingerprint
@@ -87,10 +88,10 @@ def test_export_import_round_trip_drafts_identically(fmt, peagle_dir, verifier, 
     steps = []
     for decode in ({"name": "t", "depth": K, "top_k": 3, "total_tokens": 8}, {"name": "t", "paths": [[0], [0, 0]]}):
         decode = OmegaConf.create(decode)
-        assert type(original.proposer(v, decode)).__name__ == "PEagleProposer"
+        assert type(proposer_for(original, v, decode)).__name__ == "PEagleProposer"
         for seed in (1, 2):
-            a = decode_lossless(verifier, original.proposer(v, decode), seed)
-            b = decode_lossless(verifier, imported.proposer(v, decode), seed)
+            a = decode_lossless(verifier, proposer_for(original, v, decode), seed)
+            b = decode_lossless(verifier, proposer_for(imported, v, decode), seed)
             assert a == b, fmt
             steps += a[1]
     assert max(steps) >= 2 and min(steps) == 0
