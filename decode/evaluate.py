@@ -5,7 +5,7 @@
     python decode/evaluate.py method=vanilla data=chat-jsonl data.path=prompts.jsonl
 
 Every prompt runs with the chosen method AND with plain decoding through the same engine,
-interleaved (the order alternates per prompt), with the same seeds; HF `generate` (plain,
+interleaved (decode/harness.py: the order rotates per prompt), with the same seeds; HF `generate` (plain,
 prompt lookup, assisted when `hf.assistant` names a draft model, at the draft's own schedule
 and at HF's defaults, and with `hf.static_cache=true` its StaticCache + torch.compile path) runs
 on the same prompts.
@@ -15,17 +15,16 @@ accepted_per_depth.png}.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.decode import sampling
 from draftsmith.decode.build import build_proposer, check_drafter
 from draftsmith.decode.engine import generate, summarize
+from draftsmith.decode.harness import compare_greedy, interleaved, method_stats, prompt_ids, token_latencies
 from draftsmith.decode.lookup import PromptLookupGraft
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.entry import compose_main, launch
@@ -68,38 +67,6 @@ def assisted_runs(cfg, device: torch.device) -> dict[str, dict]:
 def assisted_schedule(kwargs: dict) -> dict:
     """The schedule an assisted run starts from (for results.json)."""
     return {key: getattr(kwargs["assistant_model"].generation_config, key) for key in ASSISTED_KEYS}
-
-
-def prompt_ids(tokenizer, messages) -> torch.Tensor:
-    """(1, T) ids exactly as fed to the verifier: the chat template with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return torch.tensor([ids["input_ids"]], dtype=torch.long)
-
-
-def tie_tolerance(dtype: torch.dtype, logits: torch.Tensor, base: float, ulps: float) -> float:
-    """Largest logit gap still called a numerical tie in this dtype.
-
-    fp32: `base` (1e-4). bf16/fp16: the verifier's kernels for a 1-token and an n-token forward
-    round differently, so two decoders can legitimately flip a near-tie; a gap within `ulps`
-    rounding units of the dtype at the logits' magnitude is such a flip."""
-    if dtype in (torch.float32, torch.float64):
-        return base
-    return max(base, ulps * torch.finfo(dtype).eps * float(logits.abs().max()))
-
-
-def compare_greedy(model, ids: list[int], ours: list[int], reference: list[int], tol: float,
-                   ulps: float = 2.0) -> dict:
-    """Identical, or where the first divergence is and whether it is a numerical tie."""
-    n = min(len(ours), len(reference))
-    first = next((i for i in range(n) if ours[i] != reference[i]), None)
-    if first is None:
-        return {"identical": len(ours) == len(reference), "diverged_at": None if len(ours) == len(reference) else n}
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids + ours[:first]], device=model.device)).logits[0, -1]  # (V,)
-    pair = logits[[ours[first], reference[first]]].float()  # (2,)
-    gap = float((pair[0] - pair[1]).abs())
-    tol = tie_tolerance(logits.dtype, pair, tol, ulps)
-    return {"identical": False, "diverged_at": first, "logit_gap": gap, "tie_tolerance": tol, "tie": gap <= tol}
 
 
 def hf_generate(model, input_ids, cfg, generator_seed: int, **extra) -> tuple[list[int], float]:
@@ -151,33 +118,6 @@ class StaticCompiled:
         self.compile_s = time.perf_counter() - t0
 
 
-def token_latencies(output) -> list[float]:
-    """Per emitted token: its step's wall time divided by the tokens that step emitted."""
-    lat = [output.prefill_s]  # the first token comes from the prefill
-    for step in output.steps:
-        lat += [step.time_s / step.emitted] * step.emitted if step.emitted else []
-    return lat
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def method_stats(outputs, latencies, max_depth: int) -> dict:
-    stats = summarize(outputs)
-    steps = [s for o in outputs for s in o.steps]
-    stats["latency_median_ms"] = 1000 * statistics.median(latencies) if latencies else float("nan")
-    stats["latency_p99_ms"] = 1000 * percentile(latencies, 0.99)
-    stats["accept_length_hist"] = {str(k): sum(s.emitted == k for s in steps) for k in range(1, max_depth + 2)}
-    # P(accepted depth >= d) per step: how deep into the tree the verifier follows the draft.
-    stats["accepted_per_depth"] = [sum(s.accepted >= d for s in steps) / max(len(steps), 1)
-                                   for d in range(1, max_depth + 1)]
-    return stats
-
-
 def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> DictConfig:
     """The conf/evaluate.yaml config with these overrides and, when given, this whole `model` node
     (the caller's verifier, dtype included), composed from Python or from inside another
@@ -191,12 +131,6 @@ def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> Di
     if model is not None:
         OmegaConf.update(cfg, "model", OmegaConf.create(OmegaConf.to_container(model, resolve=True)), merge=False)
     return cfg
-
-
-def plain_rule(acceptance: str) -> str:
-    """Plain decoding's rule beside a method's: coupled sampling stays coupled (then the same seed
-    draws the same tokens, and any difference would be a loss), anything else is auto."""
-    return "coupled" if acceptance == "coupled" else "auto"
 
 
 def run(cfg: DictConfig) -> dict:
@@ -251,42 +185,35 @@ def run(cfg: DictConfig) -> dict:
     hf_time = {name: [0.0, 0] for name in hf_runs}
     identity = {name: [] for name in [*runs, *hf_runs]}
     categories: dict[str, dict[str, list]] = {}
+    prompts_ids = [prompt_ids(tokenizer, p["messages"]).to(model.device) for p in prompts]
     records = open(out_dir / "outputs.jsonl", "w")
-    prompts_ids = []
-    for i, prompt in enumerate(tqdm(prompts, desc=f"evaluate {method}")):
-        ids = prompt_ids(tokenizer, prompt["messages"]).to(model.device)
-        prompts_ids.append(ids)
-        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # interleave, alternate who goes first
-        for s in range(cfg.num_samples):
-            seed = cfg.seed * 1_000_003 + i * 1_009 + s
-            results = {}
-            for name in order:
-                gen = torch.Generator(device=model.device).manual_seed(seed)
-                out = generate(model, ids, proposer=runs[name], max_new_tokens=cfg.max_new_tokens,
-                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               acceptance=plain_rule(acceptance) if runs[name] is None else acceptance, generator=gen,
-                               forward=cfg.engine.forward, invariant=cfg.engine.invariant)
-                results[name] = out
-                outputs[name].append(out)
-                latencies[name] += token_latencies(out)
-                categories.setdefault(prompt["category"], {}).setdefault(name, []).append(out)
-                records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
-                                          "sample": s, "seed": seed, "prompt_ids": ids[0].tolist(),
-                                          "tokens": out.tokens, "text": tokenizer.decode(out.tokens),
-                                          "tau": out.tau, "lossy": out.lossy, "stop_reason": out.stop_reason}) + "\n")
-            for name, kwargs in hf_runs.items():  # fixed kwargs, or a callable that makes them per call
-                tokens, seconds = hf_generate(model, ids, cfg, seed, **(kwargs() if callable(kwargs) else kwargs))
-                hf_time[name][0] += seconds
-                hf_time[name][1] += len(tokens)
-                results[name] = tokens
-                records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
-                                          "sample": s, "seed": seed, "tokens": tokens}) + "\n")
-            if cfg.temperature == 0:  # greedy: every decoder must reproduce plain decoding exactly
-                reference = results["vanilla"].tokens
-                for name, res in results.items():
-                    tokens = res.tokens if hasattr(res, "tokens") else res
-                    check = compare_greedy(model, ids[0].tolist(), tokens, reference, cfg.tie_tolerance, cfg.tie_ulps)
-                    identity[name].append({"id": prompt["id"], **check})
+    for i, s, seed, results in interleaved(model, prompts_ids, runs, num_samples=cfg.num_samples, seed=cfg.seed,
+                                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                           top_k=cfg.top_k, top_p=cfg.top_p, acceptance=acceptance,
+                                           forward=cfg.engine.forward, invariant=cfg.engine.invariant,
+                                           desc=f"evaluate {method}"):
+        prompt, ids = prompts[i], prompts_ids[i]
+        for name, out in results.items():
+            outputs[name].append(out)
+            latencies[name] += token_latencies(out)
+            categories.setdefault(prompt["category"], {}).setdefault(name, []).append(out)
+            records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
+                                      "sample": s, "seed": seed, "prompt_ids": ids[0].tolist(),
+                                      "tokens": out.tokens, "text": tokenizer.decode(out.tokens),
+                                      "tau": out.tau, "lossy": out.lossy, "stop_reason": out.stop_reason}) + "\n")
+        for name, kwargs in hf_runs.items():  # fixed kwargs, or a callable that makes them per call
+            tokens, seconds = hf_generate(model, ids, cfg, seed, **(kwargs() if callable(kwargs) else kwargs))
+            hf_time[name][0] += seconds
+            hf_time[name][1] += len(tokens)
+            results[name] = tokens
+            records.write(json.dumps({"id": prompt["id"], "category": prompt["category"], "method": name,
+                                      "sample": s, "seed": seed, "tokens": tokens}) + "\n")
+        if cfg.temperature == 0:  # greedy: every decoder must reproduce plain decoding exactly
+            reference = results["vanilla"].tokens
+            for name, res in results.items():
+                tokens = res.tokens if hasattr(res, "tokens") else res
+                check = compare_greedy(model, ids[0].tolist(), tokens, reference, cfg.tie_tolerance, cfg.tie_ulps)
+                identity[name].append({"id": prompt["id"], **check})
         records.flush()
     records.close()
 

@@ -647,7 +647,7 @@ def make_app(engine: "Server", cfg: DictConfig):
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        from draftsmith.decode.evaluate import prompt_ids
+        from draftsmith.decode.harness import prompt_ids
 
         ids = prompt_ids(engine.tokenizer, [m.model_dump() for m in req.messages])
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.build import build_proposer
-from draftsmith.decode.evaluate import prompt_ids, save_plot
+from draftsmith.decode.harness import prompt_ids
+from draftsmith.decode.evaluate import save_plot
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError

@@ -184,7 +184,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    from draftsmith.decode.evaluate import prompt_ids
+    from draftsmith.decode.harness import prompt_ids
     from draftsmith.models.verifier import load_verifier, resolve_path
     from scripts.export import run as export
 

@@ -27,7 +27,7 @@ p50 / p99, acceptance length (tokens per verification step: draftsmith's and vLL
 counters, llama.cpp's per-request timings) and the budget (draftsmith: mean step width from
 engine_steps_by_width_total, 1 = plain; the peers: their k). Greedy texts are compared with the
 offline plain engine's (decode/engine.py, the server's forward); a difference is a bf16 tie when
-decode/evaluate.py's rule (compare_greedy) says so. Noise: `plain` runs again at the end, at
+decode/harness.py's rule (compare_greedy) says so. Noise: `plain` runs again at the end, at
 `noise_clients`; the largest relative difference is the run's noise, and load-aware speculation
 below plain beyond it is marked. Writes output_dir/bench_serve.{json,md,png} (the JSON keeps every
 request's TTFT / TPOT), rewritten after every row. Run it alone on the box.
@@ -250,7 +250,7 @@ async def load_test(url: str, model: str, prompts: list, clients: int, requests:
 
 
 def percentile(xs: list[float], q: float) -> float | None:
-    from draftsmith.decode.evaluate import percentile as nearest_rank
+    from draftsmith.decode.harness import percentile as nearest_rank
 
     return nearest_rank(xs, q) if xs else None
 
@@ -336,9 +336,9 @@ def divergence(tokenizer, reference: list[int], text: str, eos: set[int]) -> tup
 
 def check_text(verifier, prompt: list[int], reference: list[int], text: str, tol: float, ulps: float) -> dict:
     """Identical to the reference's text, or where it diverges and whether that is a numerical tie
-    (decode/evaluate.py's compare_greedy on the verifier's logits there)."""
+    (decode/harness.py's compare_greedy on the verifier's logits there)."""
     from draftsmith.decode.engine import _eos_set
-    from draftsmith.decode.evaluate import compare_greedy
+    from draftsmith.decode.harness import compare_greedy
 
     tokenizer = verifier.tokenizer
     if text == tokenizer.decode(reference, skip_special_tokens=True):
@@ -721,7 +721,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> dict:
     from draftsmith.decode.build import build_proposer
-    from draftsmith.decode.evaluate import prompt_ids
+    from draftsmith.decode.harness import prompt_ids
     from draftsmith.models.sources import load_prompts
     from draftsmith.models.verifier import load_verifier, resolve_device
 

@@ -387,7 +387,8 @@ def stage_decode_graph(cfg, out: Path) -> dict:
     import torch
 
     from draftsmith.decode.engine import SLOT_BUCKET, Engine, summarize
-    from draftsmith.decode.evaluate import StaticCompiled, compare_greedy, hf_generate, prompt_ids
+    from draftsmith.decode.harness import compare_greedy, prompt_ids
+    from draftsmith.decode.evaluate import StaticCompiled, hf_generate
     from draftsmith.models.sources import load_prompts
     from draftsmith.models.verifier import load_verifier
 
@@ -462,7 +463,7 @@ def stage_batched(cfg, out: Path) -> dict:
     """At each N: N rows plain, then N rows with the drafter (forks of one proposer), each run once
     untimed (its shapes) and once timed; a cell that fails is recorded and the others go on."""
     from draftsmith.decode.engine import SLOT_BUCKET, Engine, summarize
-    from draftsmith.decode.evaluate import prompt_ids
+    from draftsmith.decode.harness import prompt_ids
     from draftsmith.models.sources import load_prompts
     from draftsmith.models.verifier import load_verifier
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.decode import evaluate, sampling
 from draftsmith.decode.build import build_proposer, check_drafter
-from draftsmith.decode.engine import generate, summarize
+from draftsmith.decode.engine import summarize
+from draftsmith.decode.harness import compare_greedy, interleaved, prompt_ids
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
@@ -107,24 +107,17 @@ def run(cfg: DictConfig) -> dict:
     outputs = {name: [] for name in runs}
     checks = {name: {"identical": 0, "ties": 0, "unexplained": 0} for name in runs}
     load_before = os.getloadavg()[0]
-    for i, prompt in enumerate(tqdm(prompts, desc=f"tune {cfg.decode.name}")):
-        ids = evaluate.prompt_ids(tokenizer, prompt["messages"]).to(model.device)
-        everyone = list(runs)
-        order = everyone[i % len(everyone):] + everyone[: i % len(everyone)]  # rotate who goes first
-        for s in range(cfg.num_samples):
-            seed = cfg.seed * 1_000_003 + i * 1_009 + s
-            outs = {}
-            for name in order:
-                gen = torch.Generator(device=model.device).manual_seed(seed)
-                outs[name] = generate(model, ids, proposer=runs[name], max_new_tokens=cfg.max_new_tokens,
-                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=gen,
-                                      acceptance=acceptance if runs[name] is not None else "auto")
-            for name, out in outs.items():
-                outputs[name].append(out)
-                if cfg.temperature == 0:  # greedy: every candidate must reproduce plain decoding
-                    check = evaluate.compare_greedy(model, ids[0].tolist(), out.tokens, outs["vanilla"].tokens,
-                                                    cfg.tie_tolerance, cfg.tie_ulps)
-                    checks[name]["identical" if check["identical"] else "ties" if check.get("tie") else "unexplained"] += 1
+    prompts_ids = [prompt_ids(tokenizer, p["messages"]).to(model.device) for p in prompts]
+    for i, _, _, outs in interleaved(model, prompts_ids, runs, num_samples=cfg.num_samples, seed=cfg.seed,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     top_k=cfg.top_k, top_p=cfg.top_p, acceptance=acceptance,
+                                     desc=f"tune {cfg.decode.name}"):
+        for name, out in outs.items():
+            outputs[name].append(out)
+            if cfg.temperature == 0:  # greedy: every candidate must reproduce plain decoding
+                check = compare_greedy(model, prompts_ids[i][0].tolist(), out.tokens, outs["vanilla"].tokens,
+                                       cfg.tie_tolerance, cfg.tie_ulps)
+                checks[name]["identical" if check["identical"] else "ties" if check.get("tie") else "unexplained"] += 1
     stats = {name: summarize(outs) for name, outs in outputs.items()}  # the evaluator's aggregation
     rows = []
     for name, st in stats.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith.decode.engine import generate
-from draftsmith.decode.evaluate import compare_greedy, prompt_ids
+from draftsmith.decode.harness import compare_greedy, prompt_ids
 from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.verifier import load_verifier

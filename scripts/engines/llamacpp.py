@@ -251,7 +251,7 @@ def bench_rows(model_overrides: list[str], drafters: dict[str, str], prompts: li
 
 def prompt_token_ids(data: str, num_prompts: int | None, tokenizer_dir: str | Path) -> list[list[int]]:
     """A data preset's prompts (conf/data/<data>.yaml: first user turn) as the verifier's chat template
-    renders and tokenizes them: the ids draftsmith's own decoder is fed (decode.evaluate.prompt_ids)."""
+    renders and tokenizes them: the ids draftsmith's own decoder is fed (decode.harness.prompt_ids)."""
     from transformers import AutoTokenizer
 
     from draftsmith.models.entry import compose_main

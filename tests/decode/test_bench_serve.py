@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftsmith.decode.engine import generate, width_bucket
-from draftsmith.decode.evaluate import percentile, prompt_ids
+from draftsmith.decode.harness import percentile, prompt_ids
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
 from scripts import bench_serve

@@ -150,7 +150,7 @@ def test_the_real_smollm2_in_low_precision(dtype):
     """SmolLM2-135M-Instruct itself: every path token's logits in trees of 2-33 nodes and beside
     other rows equal its plain step's, bit for bit; speculative greedy output is plain output on
     chat prompts (prompt lookup drafts, accepted several deep), no tie allowance."""
-    from draftsmith.decode.evaluate import prompt_ids
+    from draftsmith.decode.harness import prompt_ids
     from draftsmith.models.verifier import load_verifier
     from tests.hub import compose_config
 

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 import draftsmith.models.gguf as gguf_export
 from draftsmith.decode.build import proposer_for
 from draftsmith.decode.engine import generate
-from draftsmith.decode.evaluate import prompt_ids
+from draftsmith.decode.harness import prompt_ids
 from draftsmith.models.checkpoint import load_drafter
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier

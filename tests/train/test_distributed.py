@@ -79,7 +79,7 @@ def one_process_heads(tied_model_dir, tmp_path_factory):
 
 
 def loads_in_the_evaluator(drafter_dir, model_dir) -> str:
-    """decode/evaluate.py's own proposer construction (fingerprint check included) -> the
+    """decode/build.py's proposer construction (fingerprint check included) -> the
     fingerprint the drafter recorded."""
     from draftsmith.decode.build import build_proposer
     from draftsmith.models.verifier import load_verifier
