@@ -210,7 +210,7 @@ class Engine:
     """
 
     def __init__(self, model, *, max_num_seqs: int = 1, max_len: int = 1024, forward: str = "auto",
-                 prefill_chunk: int = 512, budget=None, invariant: bool = False, compile: str = "none"):
+                 prefill_chunk: int = 512, budget=None, invariant=False, compile: str = "none"):
         if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "model", None), PreTrainedModel):
             model = model.model  # a models.verifier.Verifier
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
@@ -647,7 +647,7 @@ _ENGINES: "weakref.WeakKeyDictionary[PreTrainedModel, list]" = weakref.WeakKeyDi
 _ENGINES_LOCK = threading.Lock()
 
 
-def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant: bool = False) -> "Engine":
+def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=False) -> "Engine":
     """A one-row engine for this model, reused across calls (its cache grows to the longest)."""
     kind = (forward, invariant)
     with _ENGINES_LOCK:
@@ -682,7 +682,7 @@ def generate(
     posterior_alpha: float = 0.3,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     forward: str = "auto",
-    invariant: bool = False,
+    invariant=False,
 ) -> "GenerationOutput":
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding: an
     Engine with one row (the prompt read in one forward).
@@ -708,9 +708,10 @@ def generate(
         token after the prefill, then every verification); returning False stops generation
         with stop_reason "cancelled" (a client that went away, a timeout).
       forward: the verifier forward, decode/forward.py (fast | hf | auto).
-      invariant: the fast forward's shape-invariant mode: every token's logits are those of a
-        plain step, bit for bit, whatever the tree (greedy output = plain greedy output, and with
-        acceptance="coupled" sampled output = plain sampling's, in bf16 too).
+      invariant: the fast forward's shape-invariant mode (false | true | rows | float64;
+        decode/forward.py): every token's logits are those of a plain step, bit for bit, whatever
+        the tree (greedy output = plain greedy output, and with acceptance="coupled" sampled
+        output = plain sampling's, in bf16 too).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.

@@ -135,25 +135,39 @@ def fast_problem(model) -> str | None:
 
 
 INVARIANT_ROWS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 8, torch.float64: 8}  # linear chunk rows
+# engine.invariant: how the fast forward makes a row's logits independent of the rows beside it
+# (off; rows: every linear layer on chunks of INVARIANT_ROWS rows; float64: every linear layer in
+# float64, rounded back). Attention runs in float64 in both modes.
+INVARIANT_MODES = {"false": None, "true": "rows", "rows": "rows", "float64": "float64"}
+
+
+def invariant_mode(value) -> str | None:
+    """engine.invariant (false | true | rows | float64; true means rows) -> None, "rows" or "float64"."""
+    key = "false" if value is None else str(value).lower() if isinstance(value, (bool, str)) else repr(value)
+    return choose(INVARIANT_MODES, key, "engine.invariant")
 
 
 class FastLlama:
     """The Llama-family decoder as plain tensor ops over the HF model's own weights.
 
-    invariant=True (engine.invariant): a row's logits do not depend on how many rows share the
-    forward (a plain step, a tree of any size, other rows of a batch): every linear layer runs
-    on chunks of exactly INVARIANT_ROWS rows (padded; one GEMM shape, so one kernel and one
-    reduction order per row whatever the step holds), and attention runs in float64 (products of
-    bf16 / fp16 / fp32 values are exact there, so the scores do not depend on the kernel; the
-    softmax sums and the weighted values round at 1e-16, far below the model dtype's step)."""
+    invariant (engine.invariant, "rows" or "float64"): a row's logits do not depend on how many
+    rows share the forward (a plain step, a tree of any size, other rows of a batch). "rows": every
+    linear layer runs on chunks of exactly INVARIANT_ROWS rows (padded; one GEMM shape, so one
+    kernel and one reduction order per row whatever the step holds). "float64": every linear layer
+    runs in float64 on float64 copies of the weights (4x a bf16 model's memory) and rounds back
+    (products of bf16 / fp16 values are exact there and the sums round at 1e-16, so whichever
+    kernel runs, the rounded result is the same). Both run attention in float64 (the scores do not
+    depend on the kernel; the softmax sums and the weighted values round at 1e-16, far below the
+    model dtype's step)."""
 
     name = "fast"
 
-    def __init__(self, model, cache: StaticKV, invariant: bool = False, compile: str | None = None):
+    def __init__(self, model, cache: StaticKV, invariant=None, compile: str | None = None):
         problem = fast_problem(model)
         if problem:
             raise DraftsmithError(f"engine.forward=fast: {problem}; use engine.forward=hf (or auto)")
-        self.model, self.cache, self.invariant = model, cache, invariant
+        self.model, self.cache, self.invariant = model, cache, invariant_mode(invariant)
+        self.wide = {}  # linear module -> its (weight, bias) in float64 (invariant="float64"), made on first use
         self.backend, self.graphs = compile, {}  # capture layers -> the compiled step (a constant inside each)
         self.chunk = INVARIANT_ROWS.get(next(model.parameters()).dtype, 8)
         inner = model.model
@@ -200,7 +214,7 @@ class FastLlama:
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             self.cache.write(i, k, v, rows, slots)
             keys, values = self.cache.read(i, rows, length)  # (B, Hkv, S, D)
-            o = attention(q, keys, values, mask, self.scale, exact=self.invariant)  # (B, N, Hq * D)
+            o = attention(q, keys, values, mask, self.scale, exact=self.invariant is not None)  # (B, N, Hq * D)
             h = h + lin(attn.o_proj, o)
             x = rms_norm(h, layer.post_attention_layernorm)
             mlp = layer.mlp
@@ -214,9 +228,16 @@ class FastLlama:
 
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        """module(x), or in invariant mode over chunks of exactly `chunk` rows (the last padded)."""
-        if not self.invariant:
+        """module(x); invariant="rows": over chunks of exactly `chunk` rows (the last padded);
+        invariant="float64": in float64, rounded to x's dtype."""
+        if self.invariant is None:
             return module(x)
+        if self.invariant == "float64":
+            if module not in self.wide:
+                bias = None if module.bias is None else module.bias.double()
+                self.wide[module] = (module.weight.double(), bias)
+            weight, bias = self.wide[module]
+            return F.linear(x.double(), weight, bias).to(x.dtype)
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
         pad = -m % self.chunk
@@ -328,19 +349,25 @@ class HFForward:
 FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 
 
-def make_forward(model, kind: str, max_rows: int, max_len: int, invariant: bool = False, compile: str = "none"):
+def make_forward(model, kind: str, max_rows: int, max_len: int, invariant=None, compile: str = "none"):
     """The verifier forward of `kind` (fast | hf | auto) with its own static cache; invariant:
-    FastLlama's shape-invariant mode (engine.invariant); compile: none | inductor (engine.compile)."""
+    FastLlama's shape-invariant mode (engine.invariant: false | true | rows | float64); compile:
+    none | inductor (engine.compile)."""
     choose(FORWARDS, kind, "engine.forward")
+    invariant = invariant_mode(invariant)
     backend = choose(COMPILERS, compile, "engine.compile")
     if kind == "auto":
         kind = "hf" if fast_problem(model) else "fast"
     if invariant and kind != "fast":
-        raise DraftsmithError(f"engine.invariant=true needs the fast forward (its linear layers and attention are "
-                              f"shape-invariant), and engine.forward={kind} here: "
+        raise DraftsmithError(f"engine.invariant={invariant} needs the fast forward (its linear layers and attention "
+                              f"are shape-invariant), and engine.forward={kind} here: "
                               f"{fast_problem(model) or 'set engine.forward=fast'}")
     layers, kv_heads, head_dim = kv_shape(model)
     param = next(model.parameters())
+    if invariant == "float64" and param.dtype in (torch.float32, torch.float64):
+        raise DraftsmithError(f"engine.invariant=float64 is for bf16 / fp16 verifiers (a float64 sum of {param.dtype} "
+                              f"products can still round differently from one kernel to another); this verifier is "
+                              f"{param.dtype}: use engine.invariant=rows")
     cache = StaticKV(layers, max_rows, kv_heads, max_len, head_dim, param.dtype, param.device)
     if backend is not None and kind != "fast":
         raise DraftsmithError(f"engine.compile={compile} compiles the fast forward, and engine.forward={kind} here: "

@@ -203,7 +203,7 @@ class Server:
         longest = int(cfg.max_prompt_tokens) + int(cfg.max_tokens_limit) + 2 * SLOT_BUCKET
         check_memory(self.model, rows, longest, device)
         self.engine = Engine(self.model, max_num_seqs=rows, max_len=min(longest, 1024), forward=cfg.engine.forward,
-                             prefill_chunk=int(cfg.engine.prefill_chunk), invariant=bool(cfg.engine.invariant),
+                             prefill_chunk=int(cfg.engine.prefill_chunk), invariant=cfg.engine.invariant,
                              compile=cfg.engine.compile)
         self.engine.budget = make_budget(cfg.engine.budget, self.engine.forward, rows)
         self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0,

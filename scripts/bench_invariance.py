@@ -3,8 +3,9 @@
     python scripts/bench_invariance.py                                        # prompt lookup, MT-bench
     python scripts/bench_invariance.py method=medusa drafter=outputs/medusa-smollm2-135m/final decode=medusa-cpu
 
-For each dtype in `dtypes` and the mode off and on, on the same prompts in one process (the
-runs interleaved per prompt): plain decoding and the method, greedy and sampled at
+For each dtype in `dtypes` and each engine.invariant mode in `modes` (false, rows, float64: the
+two ways of making a row's logits shape-invariant, decode/forward.py), on the same prompts in one
+process (the runs interleaved per prompt): plain decoding and the method, greedy and sampled at
 `temperature` with the same seed (coupled sampling, so with the mode on every token must be
 plain sampling's). Reports, per (dtype, mode): greedy identity with plain decoding (prompts
 whose whole output is identical), same-seed agreement at T (prompts identical, and the share of
@@ -24,6 +25,7 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.build import build_proposer
 from draftsmith.decode.harness import prompt_ids
 from draftsmith.decode.evaluate import save_plot
+from draftsmith.decode.forward import invariant_mode
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError
@@ -41,6 +43,10 @@ def run(cfg: DictConfig) -> dict:
     if cfg.model.dtype is not None:
         raise DraftsmithError(f"model.dtype={cfg.model.dtype} would be ignored: bench_invariance measures each of "
                               f"dtypes={list(cfg.dtypes)}; pass dtypes=[{cfg.model.dtype}] instead")
+    for mode in cfg.modes:
+        invariant_mode(mode)  # an unknown mode: refused before any work
+    if not cfg.modes:
+        raise DraftsmithError("modes=[]: give the engine.invariant modes to compare, e.g. modes=[false,rows,float64]")
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.device)
@@ -57,7 +63,9 @@ def run(cfg: DictConfig) -> dict:
         if proposer is None:
             raise DraftsmithError(f"method={cfg.method.name} drafts nothing: pick a drafting method (this compares it "
                                   f"with plain decoding)")
-        for invariant in (False, True):
+        for invariant in cfg.modes:
+            if invariant_mode(invariant) == "float64" and dtype in ("float32", "float64"):
+                continue  # float64 mode is for bf16 / fp16 verifiers (make_forward refuses it here)
             outs = {key: [] for key in ("plain", "spec", "plain_t", "spec_t")}
             for i, prompt in enumerate(prompts):
                 ids = prompt_ids(verifier.tokenizer, prompt["messages"]).to(verifier.model.device)
@@ -70,14 +78,14 @@ def run(cfg: DictConfig) -> dict:
             pairs = list(zip(outs["plain"], outs["spec"]))
             sampled = list(zip(outs["plain_t"], outs["spec_t"]))
             plain, spec = summarize(outs["plain"]), summarize(outs["spec"])
-            row = {"dtype": dtype, "invariant": invariant,
+            row = {"dtype": dtype, "invariant": invariant_mode(invariant) or "off",
                    "greedy_identical": sum(a.tokens == b.tokens for a, b in pairs) / len(pairs),
                    "sampled_identical": sum(a.tokens == b.tokens for a, b in sampled) / len(sampled),
                    "sampled_agreement": sum(agreement(a.tokens, b.tokens) for a, b in sampled) / len(sampled),
                    "tau": spec["tau"], "plain_tokens_per_s": plain["tokens_per_s"],
                    "spec_tokens_per_s": spec["tokens_per_s"], "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]}
             report["rows"].append(row)
-            print(f"bench_invariance: {dtype} invariant={invariant}: greedy identical {row['greedy_identical']:.0%}, "
+            print(f"bench_invariance: {dtype} invariant={row['invariant']}: greedy identical {row['greedy_identical']:.0%}, "
                   f"T={cfg.temperature} identical {row['sampled_identical']:.0%}, {row['spec_tokens_per_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x plain)", flush=True)
         del verifier
@@ -85,7 +93,7 @@ def run(cfg: DictConfig) -> dict:
     write_atomic_text(out_dir / "bench_invariance.json", json.dumps(report, indent=2))
     table = markdown(report)
     write_atomic_text(out_dir / "bench_invariance.md", table + "\n")
-    labels = [f"{r['dtype']}\n{'on' if r['invariant'] else 'off'}" for r in report["rows"]]
+    labels = [f"{r['dtype']}\n{r['invariant']}" for r in report["rows"]]
 
     def bars(ax):
         x = range(len(labels))
@@ -107,7 +115,7 @@ def markdown(report: dict) -> str:
              "", f"| dtype | engine.invariant | greedy identical to plain | T={report['temperature']} same seed: identical "
              f"| tokens agreeing | tau | plain tok/s | tok/s | speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['dtype']} | {'on' if r['invariant'] else 'off'} | {r['greedy_identical']:.0%} | "
+        lines.append(f"| {r['dtype']} | {r['invariant']} | {r['greedy_identical']:.0%} | "
                      f"{r['sampled_identical']:.0%} | {r['sampled_agreement']:.1%} | {r['tau']:.2f} | "
                      f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     return "\n".join(lines)

@@ -304,7 +304,7 @@ def reference_outputs(cfg: DictConfig, verifier, prompt_ids: list[list[int]]) ->
 
     engine = Engine(verifier.model, max_num_seqs=min(len(prompt_ids), max(cfg.clients)),
                     max_len=max(map(len, prompt_ids)) + cfg.max_tokens + 2, forward=cfg.engine.forward,
-                    prefill_chunk=int(cfg.engine.prefill_chunk), invariant=bool(cfg.engine.invariant))
+                    prefill_chunk=int(cfg.engine.prefill_chunk), invariant=cfg.engine.invariant)
     requests = [engine.add(p, max_new_tokens=cfg.max_tokens) for p in prompt_ids]
     while engine.busy:
         engine.step()

@@ -1,6 +1,6 @@
-"""engine.invariant: a token's logits are bit for bit those of a plain step, whatever else the
-forward holds (a tree of any size, the token at any node, other rows of a batch), in bf16,
-fp16 and fp32. Then speculative greedy output IS plain greedy output (no tie allowance), and
+"""engine.invariant (rows, and float64 for bf16 / fp16): a token's logits are bit for bit those of
+a plain step, whatever else the forward holds (a tree of any size, the token at any node, other rows
+of a batch), in bf16, fp16 and fp32. Then speculative greedy output IS plain greedy output (no tie allowance), and
 coupled sampling emits plain sampling's tokens. A deliberately shape-dependent forward (another
 kernel from 16 rows on) fails the same checks.
 
@@ -94,9 +94,13 @@ def mismatches(model, invariant: bool) -> int:  # (vocabulary 49,152: SmolLM2 to
     return bad
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
-def test_every_token_gets_its_plain_steps_logits_bit_for_bit(wide, dtype):
-    assert mismatches(wide[dtype], invariant=True) == 0
+@pytest.mark.parametrize("mode, dtype", [("rows", d) for d in DTYPES] + [("float64", torch.bfloat16),
+                                                                         ("float64", torch.float16)],
+                         ids=lambda v: str(v).split(".")[-1])
+def test_every_token_gets_its_plain_steps_logits_bit_for_bit(wide, mode, dtype):
+    """Both ways: every linear layer on chunks of one row count (rows; `true` means rows), or in
+    float64 rounded back (bf16 / fp16 only)."""
+    assert mismatches(wide[dtype], invariant=mode) == 0
 
 
 def test_a_shape_dependent_forward_is_caught(wide, monkeypatch):
@@ -114,8 +118,9 @@ def test_a_shape_dependent_forward_is_caught(wide, monkeypatch):
     assert mismatches(wide[torch.bfloat16], invariant=False) > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-def test_speculative_output_is_plain_output_in_low_precision(wide, dtype):
+@pytest.mark.parametrize("mode, dtype", [("rows", torch.bfloat16), ("rows", torch.float16),
+                                         ("float64", torch.bfloat16)], ids=lambda v: str(v).split(".")[-1])
+def test_speculative_output_is_plain_output_in_low_precision(wide, mode, dtype):
     """Greedy: identical, no tie allowance; sampling (coupled, T=1): plain sampling's tokens."""
     model = wide[dtype]
     g = torch.Generator().manual_seed(3)
@@ -123,25 +128,33 @@ def test_speculative_output_is_plain_output_in_low_precision(wide, dtype):
     repeat = torch.cat([prompt, prompt[:, :12]], dim=1)  # prompt lookup finds matches: drafts get accepted
     lookup = lambda: make_proposer("prompt_lookup", num_tokens=6, max_ngram=3, min_ngram=1)  # noqa: E731
     for ids in (prompt, repeat):
-        plain = generate(model, ids, max_new_tokens=24, eos_token_id=(), invariant=True)
-        spec = generate(model, ids, proposer=lookup(), max_new_tokens=24, eos_token_id=(), invariant=True)
+        plain = generate(model, ids, max_new_tokens=24, eos_token_id=(), invariant=mode)
+        spec = generate(model, ids, proposer=lookup(), max_new_tokens=24, eos_token_id=(), invariant=mode)
         assert spec.tokens == plain.tokens
-        kw = dict(max_new_tokens=24, eos_token_id=(), invariant=True, temperature=1.0, acceptance="coupled")
+        kw = dict(max_new_tokens=24, eos_token_id=(), invariant=mode, temperature=1.0, acceptance="coupled")
         plain = generate(model, ids, generator=torch.Generator().manual_seed(9), **kw)
         spec = generate(model, ids, proposer=lookup(), generator=torch.Generator().manual_seed(9), **kw)
         assert spec.tokens == plain.tokens
-    engine = Engine(model, max_num_seqs=3, invariant=True)  # beside other rows of a batch, too
+    engine = Engine(model, max_num_seqs=3, invariant=mode)  # beside other rows of a batch, too
     rows = [engine.add(p[0].tolist(), proposer=lookup() if i else None, max_new_tokens=24, eos_token_id=())
             for i, p in enumerate((repeat, repeat, prompt))]
     while engine.busy:
         engine.step()
     assert rows[0].out == rows[1].out == generate(model, repeat, max_new_tokens=24, eos_token_id=(),
-                                                  invariant=True).tokens
+                                                  invariant=mode).tokens
 
 
-def test_invariant_needs_the_fast_forward(wide):
-    with pytest.raises(DraftsmithError, match="engine.invariant=true needs the fast forward"):
+def test_invariant_needs_the_fast_forward_and_a_known_mode(wide):
+    with pytest.raises(DraftsmithError, match="engine.invariant=rows needs the fast forward"):
         make_forward(wide[torch.float32], "hf", 1, 16, invariant=True)
+    with pytest.raises(DraftsmithError,
+                       match="engine.invariant='exact' is not known; valid: false, float64, rows, true"):
+        make_forward(wide[torch.float32], "fast", 1, 16, invariant="exact")
+    with pytest.raises(DraftsmithError, match="engine.invariant=float64 is for bf16 / fp16 verifiers.*use "
+                                              "engine.invariant=rows"):
+        make_forward(wide[torch.float32], "fast", 1, 16, invariant="float64")
+    assert make_forward(wide[torch.bfloat16], "fast", 1, 16, invariant="float64").invariant == "float64"
+    assert make_forward(wide[torch.bfloat16], "fast", 1, 16, invariant=False).invariant is None
 
 
 @pytest.mark.integration
