@@ -61,3 +61,19 @@ def test_misspelt_keys_fail_in_one_line_listing_the_valid_ones(capsys):
     assert "\n" not in err and "'method.num_hedas'" in err and "num_heads" in err
     check_cli_overrides("medusa", ["method=medusa1", "method.num_heads=2", "+extra=1", "trainer=debug"])  # fine
     check_cli_overrides("selfdistill", ["data@data.prompts=mtbench", "data.prompts.num_prompts=3"])
+
+
+def test_trainer_presets_state_only_what_differs_from_default():
+    """trainer=debug / cpu-long inherit trainer/default.yaml (Hydra defaults) and set only their own
+    differences: composed, each has every key of default; written, none repeats default's value."""
+    import yaml
+
+    default = yaml.safe_load((CONF / "trainer" / "default.yaml").read_text())
+    presets = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml") if p.stem != "default")
+    assert presets
+    for name in presets:
+        own = yaml.safe_load((CONF / "trainer" / f"{name}.yaml").read_text())
+        assert own.pop("defaults") == ["default", "_self_"], name
+        assert own and all(default[k] != v for k, v in own.items()), (name, own)
+        composed = compose_config("medusa", [f"trainer={name}"]).trainer
+        assert set(composed) == set(default) and all(composed[k] == own.get(k, default[k]) for k in default), name
