@@ -150,16 +150,24 @@ def test_a_method_key_this_run_would_ignore_is_refused_before_any_work(tiny_mode
 
 
 def test_every_draft_preset_holds_the_beta_the_refusal_takes_as_default():
-    """check_method_keys refuses a beta other than JSD_BETA outside jsd: the presets must hold it."""
+    """check_method_keys refuses a beta other than JSD_BETA outside jsd: the presets must hold it.
+    The four divergences are one method (draft-fkl) with divergence=: the other three inherit it
+    and state only their name and divergence."""
     from pathlib import Path
 
-    from omegaconf import OmegaConf
+    import yaml
 
     from draftsmith.train.draft import JSD_BETA, check_method_keys
 
     presets = sorted((Path(__file__).resolve().parents[2] / "conf" / "method").glob("draft-*.yaml"))
-    assert len(presets) == 4
+    assert [p.stem for p in presets] == ["draft-fkl", "draft-jsd", "draft-rkl", "draft-tvd"]
+    full = compose_config("draft", ["method=draft-fkl"]).method
     for path in presets:
-        method = OmegaConf.load(path)
-        assert method.beta == JSD_BETA, path
+        method = compose_config("draft", [f"method={path.stem}"]).method
+        assert method.beta == JSD_BETA and method.name == path.stem, path
+        assert {k: v for k, v in method.items() if k not in ("name", "divergence")} == {
+            k: v for k, v in full.items() if k not in ("name", "divergence")}
         check_method_keys(method)  # every preset as it stands passes
+        own = yaml.safe_load(path.read_text())
+        if path.stem != "draft-fkl":
+            assert set(own) == {"defaults", "name", "divergence"}, own
