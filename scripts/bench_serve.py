@@ -107,10 +107,25 @@ class Process:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
+    def check_alive(self) -> None:
+        """A server that died under load is a one-line error naming its log's last lines (the row then
+        ends there and the benchmark goes on with the next row)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = [ln.strip()[:200] for ln in self.log.read_text(errors="replace").splitlines()
+                    if "Error" in ln or "error" in ln][-2:]
+            raise DraftsmithError(f"{Path(self.argv[0]).name} died under load (exit {self.proc.returncode}): "
+                                  f"{' | '.join(tail) or 'no error line'} (log: {self.log})")
+
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        return prometheus(httpx.get(self.url + "/metrics", timeout=30).text)
+        self.check_alive()
+        try:
+            return prometheus(httpx.get(self.url + "/metrics", timeout=30).text)
+        except httpx.HTTPError as e:
+            self.check_alive()
+            raise DraftsmithError(f"{self.url}/metrics did not answer ({type(e).__name__}: {e}; "
+                                  f"log: {self.log})") from None
 
 
 def prometheus(text: str) -> dict[str, float]:
@@ -173,6 +188,8 @@ def vllm_server(cfg: DictConfig, folder: str, spec: dict | None, log: Path) -> P
             "--disable-uvicorn-access-log", "--host", "127.0.0.1", "--port", str(port)]
     if not cfg.vllm.prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if not cfg.vllm.chunked_prefill:  # every prompt read whole: max_num_batched_tokens must hold the longest
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cfg.vllm.max_model_len)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     return Process(argv, run_env(int(cfg.threads)), log, port, float(cfg.vllm.startup_s))
@@ -504,6 +521,7 @@ def run_row(cfg: DictConfig, entry: dict, prompts: list, checks) -> dict:
                 load = os.getloadavg()[0]
                 res = asyncio.run(load_test(server.url, name, prompts, n, max(int(cfg.min_requests), n),
                                             cfg.max_tokens, float(t), int(cfg.seed), timeout, extra))
+                server.check_alive()
                 after = server.metrics() if entry["engine"] != "llama.cpp" else {}
                 run = {"temperature": float(t), "clients": n, **summarize(res), "load_before": load,
                        "load_after": os.getloadavg()[0]}

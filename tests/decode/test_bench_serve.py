@@ -16,7 +16,7 @@ from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
 from scripts import bench_serve
 from tests.conftest import tiny_model_overrides
-from tests.hub import compose_config
+from tests.hub import compose_config, free_port
 from tests.tiny import save_tiny_medusa
 
 pytest.importorskip("openai")
@@ -154,3 +154,37 @@ def test_bad_settings_are_refused_before_any_work(tiny_model_dir, tmp_path, monk
     monkeypatch.setattr(bench_serve, "plan_rows", lambda *a, **k: pytest.fail("planned before the check"))
     with pytest.raises(DraftsmithError, match=message):
         bench_serve.run(toy_config(tiny_model_dir, tmp_path, override))
+
+
+def test_a_server_that_dies_under_load_is_a_one_line_row_error(tmp_path):
+    """A peer that dies mid-run (vLLM-CPU did, at T > 0 with a chunked prefill) ends its row with the
+    cause from its log, and /metrics on it is that error too, not a connection traceback."""
+    import subprocess
+    import sys
+
+    from scripts.bench_serve import Process
+
+    log = tmp_path / "peer.log"
+    code = "print('RuntimeError: CPU Generator does not use offset'); raise SystemExit(3)"
+    server = Process([sys.executable, "-c", code], {}, log, free_port(), 5)
+    with open(log, "w") as out:
+        server.proc = subprocess.Popen(server.argv, stdout=out, stderr=subprocess.STDOUT)
+    server.proc.wait()
+    for call in (server.check_alive, server.metrics):
+        with pytest.raises(DraftsmithError, match=r"^python\S* died under load \(exit 3\): RuntimeError: CPU Generator "
+                                                  r"does not use offset \(log: .*peer.log\)$"):
+            call()
+
+
+def test_vllm_reads_every_prompt_whole_unless_asked(monkeypatch, tmp_path):
+    """vLLM-CPU 0.32 dies on seeded sampling over a chunked prefill: the peer server runs without it."""
+    from scripts import bench_serve
+    from scripts.engines import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "ensure", lambda *a, **k: "python")
+    cfg = compose_config("bench_serve", ["peer_drafter=null"])
+    argv = bench_serve.vllm_server(cfg, "verifier", None, tmp_path / "v.log").argv
+    at = argv.index("--max-num-batched-tokens")
+    assert "--no-enable-chunked-prefill" in argv and argv[at + 1] == str(cfg.vllm.max_model_len)
+    cfg.vllm.chunked_prefill = True
+    assert "--no-enable-chunked-prefill" not in bench_serve.vllm_server(cfg, "verifier", None, tmp_path / "v.log").argv
