@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import save_tiny_verifier, tiny_llama, tiny_tokenizer
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,12 +27,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + the char tokenizer saved as an HF folder (use as model.path)."""
-    import torch
-
-    folder = tmp_path_factory.mktemp("tiny-verifier")
-    tiny_llama(dtype=torch.float32).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"))
 
 
 def tiny_model_overrides(folder) -> list[str]:

@@ -67,6 +67,18 @@ def random_heads(model, seed: int = 0) -> MedusaHeads:
     return heads.eval().requires_grad_(False)
 
 
+def fit_eagle(drafter, inputs: dict, lm_head, steps: int, ttt: int, w_feat: float):
+    """`steps` Adam steps of the EAGLE trainer's own loss (train/eagle.py: eagle_loss) -> the drafter, frozen."""
+    mcfg = SimpleNamespace(decay=0.8, w_feat=w_feat, w_cls=1.0)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = eagle_loss(drafter, inputs, lm_head, mcfg, ttt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
 def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vocab_size: int | None = None):
     """An EAGLE drafter fitted for `steps` Adam steps to the model's greedy continuations, with the
     trainer's own loss: top-1 ~0.6, so trees accept several tokens and still get rejected."""
@@ -85,14 +97,7 @@ def fitted_drafter(model, variant: str, steps: int = 100, ttt: int = 1, draft_vo
     if draft_vocab_size:
         drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=128), draft_vocab_size),
                                 model.lm_head)
-    mcfg = SimpleNamespace(decay=0.8, w_feat=1.0, w_cls=1.0)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = eagle_loss(drafter, inputs, model.lm_head, mcfg, ttt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval().requires_grad_(False)
+    return fit_eagle(drafter, inputs, model.lm_head, steps, ttt, w_feat=1.0)
 
 
 def random_eagle_proposer(model, tree_kwargs, seed: int = 0):
@@ -126,14 +131,7 @@ def fitted_peagle(model, steps: int = 150, draft_vocab_size: int | None = 64, la
     if draft_vocab_size:
         drafter.set_draft_vocab(draft_vocab(torch.bincount(seqs.flatten(), minlength=model.config.vocab_size),
                                             draft_vocab_size), model.lm_head)
-    mcfg = SimpleNamespace(decay=0.8, w_feat=0.0, w_cls=1.0)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = eagle_loss(drafter, inputs, model.lm_head, mcfg, PEAGLE_K)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval().requires_grad_(False)
+    return fit_eagle(drafter, inputs, model.lm_head, steps, PEAGLE_K, w_feat=0.0)
 
 
 def noisy_copy(model, noise: float, seed: int = 1):

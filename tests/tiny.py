@@ -68,6 +68,13 @@ def tiny_llama(vocab_size: int = 128, dtype: torch.dtype = torch.float64, seed: 
     return model
 
 
+def save_tiny_verifier(folder, **overrides):
+    """A tiny fp32 Llama (tiny_llama's overrides) and the char tokenizer saved as an HF folder -> folder."""
+    tiny_llama(dtype=torch.float32, **overrides).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def save_tiny_medusa(folder, num_heads: int = 4):
     """Medusa heads over tiny_llama's fp32 weights (the same seed as the tiny_model_dir fixture),
     their first layers randomised so the heads disagree with the verifier now and then; saved as a

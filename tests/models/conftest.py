@@ -3,16 +3,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.models.exports import LAYERS
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import save_tiny_verifier
 
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory):
     """A tiny random Llama with 4 layers + the char tokenizer, saved (fp32) as an HF folder."""
-    folder = tmp_path_factory.mktemp("verifier4")
-    tiny_llama(dtype=torch.float32, num_hidden_layers=LAYERS).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_verifier(tmp_path_factory.mktemp("verifier4"), num_hidden_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")

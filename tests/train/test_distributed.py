@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from draftsmith.models.checkpoint import load_drafter
 from tests.hub import free_port  # a port per launch: fixed ones collide between xdist workers
 from tests.conftest import tiny_model_overrides
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -53,10 +53,7 @@ EQUIV = ["data=tiny", "trainer=debug", "logger=none", "method.num_heads=2", "tra
 def tied_model_dir(tmp_path_factory):
     """A tiny verifier with tied embeddings, as SmolLM2 has (a tied lm_head.weight is the
     embedding: under ZeRO-3 it is partitioned under both names)."""
-    folder = tmp_path_factory.mktemp("tied-verifier")
-    tiny_llama(dtype=torch.float32, tie_word_embeddings=True).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_verifier(tmp_path_factory.mktemp("tied-verifier"), tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
