@@ -85,6 +85,8 @@ def run(cfg: DictConfig) -> dict:
                    "tau": spec["tau"], "plain_tokens_per_s": plain["tokens_per_s"],
                    "spec_tokens_per_s": spec["tokens_per_s"], "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]}
             report["rows"].append(row)
+            report["load_avg_1m_after"] = os.getloadavg()[0]
+            write_atomic_text(out_dir / "bench_invariance.json", json.dumps(report, indent=2))  # kept if a later one fails
             print(f"bench_invariance: {dtype} invariant={row['invariant']}: greedy identical {row['greedy_identical']:.0%}, "
                   f"T={cfg.temperature} identical {row['sampled_identical']:.0%}, {row['spec_tokens_per_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x plain)", flush=True)
