@@ -96,9 +96,14 @@ def _medusa_from(drafter, verifier, d, seed):
     return make_proposer("medusa", heads=drafter.module, paths=[tuple(p) for p in d.paths], lm_head=verifier.lm_head)
 
 
+def proposer_name(drafter) -> str:
+    """The proposer a loaded drafter decodes with: its kind, or peagle for an EAGLE drafter that drafts
+    its depths in parallel (P-EAGLE: decode/peagle.py)."""
+    return "peagle" if drafter.kind == "eagle" and getattr(drafter.config, "parallel_tokens", 0) else drafter.kind
+
+
 def _eagle_from(drafter, verifier, d, seed):
-    name = "peagle" if getattr(drafter.module.config, "parallel_tokens", 0) else "eagle"  # P-EAGLE: decode/peagle.py
-    return make_proposer(name, drafter=drafter.module, embed_tokens=verifier.embed_tokens,
+    return make_proposer(proposer_name(drafter), drafter=drafter.module, embed_tokens=verifier.embed_tokens,
                          lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"), **eagle_tree(d))
 
 

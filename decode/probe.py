@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from draftsmith.decode.build import proposer_for
+from draftsmith.decode.build import proposer_for, proposer_name
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import CONF_DIR
@@ -33,14 +33,8 @@ from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.vocab import IGNORE_INDEX
 
 PROBE_FILE = "probe.json"
-# per drafter kind (a P-EAGLE drafter is an eagle one that drafts in parallel)
+# the conf/decode preset decode='auto' means, per proposer (decode/build.py: proposer_name)
 DEFAULT_DECODE = {"medusa": "medusa-cpu", "eagle": "eagle-dynamic", "peagle": "peagle-dynamic", "draft": "draft-chain"}
-
-
-def default_decode(drafter) -> str:
-    """The conf/decode preset decode='auto' means for this drafter."""
-    parallel = drafter.kind == "eagle" and getattr(drafter.config, "parallel_tokens", 0)
-    return DEFAULT_DECODE["peagle" if parallel else drafter.kind]
 
 
 def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
@@ -60,7 +54,7 @@ def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
 
 
 def decode_preset(decode, drafter):
-    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': default_decode(drafter),
+    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': DEFAULT_DECODE of its proposer,
     a Medusa tree cut to the drafter's number of heads."""
     if decode == "auto" and drafter.kind == "medusa":
         preset = decode_preset(DEFAULT_DECODE["medusa"], drafter)
@@ -69,7 +63,7 @@ def decode_preset(decode, drafter):
             preset.paths, preset.name = kept, f"{preset.name}, paths cut to {drafter.config.num_heads} heads"
         return preset
     if isinstance(decode, str):
-        return OmegaConf.load(preset_path(default_decode(drafter) if decode == "auto" else decode))
+        return OmegaConf.load(preset_path(DEFAULT_DECODE[proposer_name(drafter)] if decode == "auto" else decode))
     return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
 
 
