@@ -5,9 +5,11 @@ proposer classes, make_proposer).
     kind = check_drafter(cfg)                            # method.proposer, refused before the verifier loads
     proposer, meta = build_proposer(cfg, verifier)       # the method's proposer (None: plain decoding)
     proposer = proposer_for(drafter, verifier, preset)   # a loaded drafter (models.checkpoint.load_drafter)
+    preset = load_preset("eagle-dynamic", hw="cpu")      # a preset by name, as the entry scripts compose it
 
 A decode preset (conf/decode/<name>.yaml) configures the tree and the grafts (prompt lookup, a
-datastore: with_lookup); a key the chosen proposer would ignore is refused in one line.
+datastore: with_lookup; their keys live once, in conf/decode/graft/); `hw=cpu` sizes it for a CPU
+(conf/decode_hw/cpu-<name>.yaml). A key the chosen proposer would ignore is refused in one line.
 """
 from __future__ import annotations
 
@@ -15,7 +17,28 @@ from omegaconf import OmegaConf
 
 from draftsmith.decode.proposers import PROPOSERS, Proposer, make_proposer
 from draftsmith.models.checkpoint import drafter_dir, load_drafter
+from draftsmith.models.entry import CONF_DIR, compose_main
 from draftsmith.models.errors import DraftsmithError, choose
+
+HW = ("gpu", "cpu")  # conf/hw/: the hardware the decode presets are sized for
+
+
+def resolve_hw(hw: str, device, field: str = "hw") -> str:
+    """`auto` -> cpu when decoding runs on a CPU, else gpu; gpu / cpu as given; others refused."""
+    if hw == "auto":
+        return "cpu" if str(device).startswith("cpu") else "gpu"
+    return choose({**dict(zip(HW, HW)), "auto": "auto"}, hw, field)
+
+
+def load_preset(name: str, hw: str = "gpu", key: str = "decode"):
+    """conf/decode/<name>.yaml composed as decode/evaluate.py composes decode=<name> hw=<hw>: its
+    graft keys from conf/decode/graft/ and, for hw=cpu, conf/decode_hw/cpu-<name>.yaml over its
+    sizes. `key` names the setting in the one-line error for a preset that does not exist."""
+    if not (CONF_DIR / "decode" / f"{name}.yaml").is_file():
+        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml")))
+        raise DraftsmithError(f"{key}={name!r}: no conf/decode/{name}.yaml; valid: {valid}")
+    choose(dict(zip(HW, HW)), hw, "hw")
+    return compose_main("evaluate", [f"decode={name}", f"hw={hw}"]).decode
 
 
 def check_drafter(cfg) -> str:
@@ -42,6 +65,7 @@ def build_proposer(cfg, verifier):
     kind = check_drafter(cfg)
     if kind == "vanilla":
         return None, {}
+    hint_hw(cfg, verifier.model.device)
     if kind in DRAFT_FREE:
         return build_draft_free(cfg, verifier, kind), {}
     drafter = load_drafter(cfg.drafter, verifier_fingerprint=verifier.fingerprint,
@@ -52,6 +76,17 @@ def build_proposer(cfg, verifier):
         raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter.kind!r} checkpoint; "
                               f"method={cfg.method.name} needs {kind}")
     return proposer_for(drafter, verifier, cfg.decode, seed=cfg.seed), drafter.meta
+
+
+def hint_hw(cfg, device) -> None:
+    """One line when a preset sized for a GPU (hw=gpu, the default) decodes on a CPU and hw=cpu
+    would size it for one (conf/decode_hw/cpu-<preset>.yaml exists)."""
+    hw = cfg.get("hw")
+    name = cfg.decode.get("name")
+    if hw is not None and hw.get("name") == "gpu" and str(device).startswith("cpu") and name and \
+            (CONF_DIR / "decode_hw" / f"cpu-{name}.yaml").is_file():
+        print(f"draftsmith: decode={name} is sized for a GPU (hw=gpu, the default) and runs on the CPU: pass "
+              f"hw=cpu for the CPU-sized tree (conf/decode_hw/cpu-{name}.yaml)", flush=True)
 
 
 DRAFT_FREE = ("prompt_lookup", "lookahead")  # proposers that need no trained drafter

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from draftsmith.decode.build import proposer_for, proposer_name
+from draftsmith.decode.build import load_preset, proposer_for, proposer_name, resolve_hw
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.models.checkpoint import write_atomic_text
 from draftsmith.models.entry import CONF_DIR
@@ -34,7 +34,7 @@ from draftsmith.models.vocab import IGNORE_INDEX
 
 PROBE_FILE = "probe.json"
 # the conf/decode preset decode='auto' means, per proposer (decode/build.py: proposer_name)
-DEFAULT_DECODE = {"medusa": "medusa-cpu", "eagle": "eagle-dynamic", "peagle": "peagle-dynamic", "draft": "draft-chain"}
+DEFAULT_DECODE = {"medusa": "medusa-default", "eagle": "eagle-dynamic", "peagle": "peagle-dynamic", "draft": "draft-chain"}
 
 
 def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
@@ -53,18 +53,17 @@ def probe_prompts(dataset, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
-def decode_preset(decode, drafter):
-    """decode: a preset name (conf/decode/<name>.yaml), a dict, or 'auto': DEFAULT_DECODE of its proposer,
-    a Medusa tree cut to the drafter's number of heads."""
+def decode_preset(decode, drafter, hw: str = "gpu"):
+    """decode: a preset name (conf/decode/<name>.yaml, sized for `hw`), a dict, or 'auto':
+    DEFAULT_DECODE of its proposer, a Medusa tree cut to the drafter's number of heads."""
+    if not isinstance(decode, str):
+        return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
+    preset = load_preset(preset_path(DEFAULT_DECODE[proposer_name(drafter)] if decode == "auto" else decode).stem, hw)
     if decode == "auto" and drafter.kind == "medusa":
-        preset = decode_preset(DEFAULT_DECODE["medusa"], drafter)
         kept = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
         if len(kept) < len(preset.paths):
             preset.paths, preset.name = kept, f"{preset.name}, paths cut to {drafter.config.num_heads} heads"
-        return preset
-    if isinstance(decode, str):
-        return OmegaConf.load(preset_path(DEFAULT_DECODE[proposer_name(drafter)] if decode == "auto" else decode))
-    return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
+    return preset
 
 
 def preset_path(name: str) -> Path:
@@ -97,6 +96,8 @@ def check_config(probe_cfg) -> None:
                               f"tau counts the ones after it)")
     if isinstance(decode, str) and decode != "auto":
         preset_path(decode)
+    if probe_cfg.get("hw", "auto") != "auto":
+        resolve_hw(probe_cfg.hw, "cpu", "probe.hw")
 
 
 @torch.no_grad()
@@ -118,9 +119,10 @@ def measure(verifier, drafter, decode_cfg, prompts: list[list[int]], max_new_tok
             "tokens": stats["num_tokens"], "seconds": round(time.time() - t0, 3)}
 
 
-def record(verifier, drafter, decode, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """The probe.json content: the prompts, settings and the drafter's tau on this verifier."""
-    decode_cfg = decode_preset(decode, drafter)
+def record(verifier, drafter, decode, prompts: list[list[int]], max_new_tokens: int, hw: str = "auto") -> dict:
+    """The probe.json content: the prompts, settings and the drafter's tau on this verifier; a
+    preset by name is sized for `hw` (auto: cpu when the verifier is on a CPU)."""
+    decode_cfg = decode_preset(decode, drafter, resolve_hw(hw, verifier.model.device))
     result = measure(verifier, drafter, decode_cfg, prompts, max_new_tokens)
     return remeasured({"prompts": prompts, "max_new_tokens": int(max_new_tokens),
                        "decode": OmegaConf.to_container(decode_cfg, resolve=True)}, verifier, result)

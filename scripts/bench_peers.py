@@ -81,7 +81,7 @@ def draftsmith_rows(cfg: DictConfig, verifier, prompts: list[list[int]], drafter
         rows.append({"engine": "draftsmith", "row": "plain", "batch": len(prompts), "seconds": time.perf_counter() - t,
                      "tokens": [out[i] for i in range(len(prompts))], "tau": None})
     for name, drafter in drafters.items():
-        preset = decode_preset(cfg.decode, drafter)
+        preset = decode_preset(cfg.decode, drafter, cfg.hw)
         rows.append(timed(f"+ {name} ({preset.name})", lambda d=drafter, p=preset: proposer_for(d, verifier, p)))
         if cfg.k:
             chain = chain_preset(drafter.kind, cfg.k)

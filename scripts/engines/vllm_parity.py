@@ -25,19 +25,19 @@ import tempfile
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from scripts.engines.vllm_cpu import EngineUnavailable, VLLM_VERSION, ensure, run_env
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-CONF = Path(__file__).resolve().parents[2] / "conf" / "decode"
 # drafter kind -> the chain preset draftsmith decodes it with (a chain of k: no tree)
 CHAIN_PRESETS = {"eagle": "eagle-chain", "medusa": "chain4", "draft": "draft-chain"}
 
 
 def chain_preset(kind: str, k: int = 4, **overrides):
     """A conf/decode chain preset of depth k for this drafter kind (a fixed length for draft models)."""
-    cfg = OmegaConf.load(CONF / f"{CHAIN_PRESETS[kind]}.yaml")
+    from draftsmith.decode.build import load_preset
+
+    cfg = load_preset(CHAIN_PRESETS[kind])
     if kind == "draft":
         cfg.num_tokens, cfg.length_schedule = k, "fixed"
     else:

@@ -31,11 +31,11 @@ from draftsmith.decode.datastore import (
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, PromptLookupProposer
-from draftsmith.decode.build import with_lookup
+from draftsmith.decode.build import load_preset, with_lookup
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.decode.grafts import GRAFTED_PRESETS, inner_proposer
-from tests.laws import (DECODE_CONF, LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test,
+from tests.laws import (LAW_PROMPT, V, RecordingRule, engine_counts, exact_law, law_model, law_test,
                         residual_from_p_walk, tv_bound)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_tokenizer
@@ -210,7 +210,7 @@ def test_sampling_law_with_a_datastore_catches_a_broken_rule(monkeypatch):
 
 @pytest.mark.parametrize("preset", [*GRAFTED_PRESETS, "prompt-lookup"])
 def test_every_tree_preset_takes_the_datastore_keys(preset):
-    d = OmegaConf.load(DECODE_CONF / f"{preset}.yaml")
+    d = load_preset(preset)
     assert d.datastore is None and {"datastore_tokens", "datastore_depth", "datastore_min_ngram"} <= set(d)
 
 

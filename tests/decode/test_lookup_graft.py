@@ -19,14 +19,14 @@ from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.evaluate import run
 from draftsmith.decode.lookup import PromptLookupGraft, graft
-from draftsmith.decode.build import with_lookup
+from draftsmith.decode.build import load_preset, with_lookup
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
 from tests.conftest import tiny_model_overrides
 from tests.decode.grafts import GRAFTED_PRESETS, inner_proposer
 from tests.drafters import random_eagle_proposer
-from tests.laws import (DECODE_CONF, RecordingRule, engine_counts, exact_law, law_model, law_test, residual_from_p_walk,
+from tests.laws import (RecordingRule, engine_counts, exact_law, law_model, law_test, residual_from_p_walk,
                         tv_bound)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
@@ -175,7 +175,7 @@ def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize("preset", GRAFTED_PRESETS)
 def test_every_eagle_and_medusa_preset_takes_the_graft_keys(preset):
-    d = OmegaConf.load(DECODE_CONF / f"{preset}.yaml")
+    d = load_preset(preset)
     assert {"lookup_tokens", "lookup_max_ngram", "lookup_min_ngram"} <= set(d)
 
     class Inner:

@@ -364,7 +364,8 @@ def record_probe(cfg, data: TrainData, drafter_dir: str, verifier) -> dict | Non
     print(f"probe: decoding {len(prompts)} held-out prompts x {cfg.probe.max_new_tokens} tokens with the drafter, the "
           f"baseline of scripts/refresh.py (probe.num_prompts=0: no probe; =N: N prompts)", flush=True)
     drafter = load_drafter(drafter_dir, verifier_fingerprint=verifier.fingerprint, dtype=verifier.model.dtype)
-    probe = probes.record(verifier, drafter, cfg.probe.decode, prompts, int(cfg.probe.max_new_tokens))
+    probe = probes.record(verifier, drafter, cfg.probe.decode, prompts, int(cfg.probe.max_new_tokens),
+                          hw=cfg.probe.get("hw", "auto"))  # (a run from before probe.hw: auto)
     probes.write_probe(drafter_dir, probe)
     print(f"probe: tau {probe['tau']:.2f} on {len(prompts)} held-out prompts x {probe['max_new_tokens']} tokens "
           f"({probe['decode'].get('name')}, {probe['dtype']}) in {probe['seconds']:.0f}s -> {drafter_dir}/probe.json")
