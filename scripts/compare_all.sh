@@ -16,8 +16,8 @@
 #    features; EAGLE-3 then continues in warm-started stages (CONTINUE_eagle3, each
 #    "steps:data preset", lr 5e-4 and a new batch order, into OUT/eagle3-cont, eagle3-cont2, ...),
 #    and its last stage is the eagle3 row of both comparisons,
-# 3. learning curves from the snapshots (scripts/learning_curve.py),
-# 4. EAGLE-3's tree sized for this machine (scripts/tune_decode.py; TUNE=0 keeps eagle-dynamic as it is),
+# 3. learning curves from the snapshots (scripts/bench/learning_curve.py),
+# 4. EAGLE-3's tree sized for this machine (scripts/bench/tune_decode.py; TUNE=0 keeps eagle-dynamic as it is),
 # 5. one comparison on MT-bench and HumanEval, greedy, 128 new tokens, with prompt lookup,
 #    lookahead and the HF baselines (HF assisted generation with the draft, at both schedules),
 #    plain decoding in fp32 and bf16 (and HF's static cache + compile) for the fastest-plain ratio,
@@ -26,7 +26,7 @@
 #    and every drafter and prompt lookup with a ShareGPT datastore grafted on as well (<method>-ds,
 #    prompt-lookup-ds: decode/datastore.py, REST; built first by scripts/build_datastore.py into
 #    OUT/datastore, ~40 s; DATASTORE=0: not),
-#    then the trained drafters on MT-bench at T=0.7 (scripts/compare.py; speedups against plain
+#    then the trained drafters on MT-bench at T=0.7 (scripts/bench/compare.py; speedups against plain
 #    decoding in the same run; a draft model's graft is greedy only, so no draft-fkl-pl or -cpu there).
 # Extra arguments are Hydra overrides for every training command.
 set -euo pipefail
@@ -110,13 +110,13 @@ if [ $with_eagle3 = 1 ]; then
     done
 fi
 if [ ${#curves[@]} -gt 0 ]; then
-    python scripts/learning_curve.py "${curves[@]}" num_prompts="$CURVE_PROMPTS" output_dir="$OUT/learning-curve"
+    python scripts/bench/learning_curve.py "${curves[@]}" num_prompts="$CURVE_PROMPTS" output_dir="$OUT/learning-curve"
 fi
 tuned=()  # the compare runs' eagle3 entry: the last stage's drafter, with the tuned tree's overrides
 if [ $with_eagle3 = 1 ]; then
     extra=""
     if [ "$TUNE" = 1 ]; then
-        python scripts/tune_decode.py drafter="$eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
+        python scripts/bench/tune_decode.py drafter="$eagle3/final" data.num_prompts="$TUNE_PROMPTS" output_dir="$OUT/tune-eagle3"
         if [ -f "$OUT/tune-eagle3/best.txt" ]; then
             extra=$(printf ",'%s'" $(cat "$OUT/tune-eagle3/best.txt"))
         fi
@@ -137,10 +137,10 @@ if [ "$DATASTORE" = 1 ]; then
     retrieved=$(printf ' %s-ds' $METHODS ${cpu:+draft-fkl-cpu} prompt-lookup)
 fi
 only=$(echo "$METHODS$grafted$cpu prompt-lookup lookahead$retrieved" | tr ' ' ',')
-python scripts/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
+python scripts/bench/compare.py cmp_dir="$OUT" only="[$only]" datasets='[mtbench,humaneval]' temperatures='[0.0]' \
     num_prompts="$EVAL_PROMPTS" max_new_tokens=128 hf_with=draft-fkl plain_static=true datastore="$OUT/datastore" \
     output_dir="$OUT/compare" "${tuned[@]}"
 trained=$(echo "$METHODS${grafted/ draft-fkl-pl/}" | tr ' ' ',')
-python scripts/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
+python scripts/bench/compare.py cmp_dir="$OUT" only="[$trained]" datasets='[mtbench]' temperatures='[0.7]' \
     num_prompts="$T07_PROMPTS" max_new_tokens=128 hf_with=none plain_dtypes='[]' datastore="$OUT/datastore" \
     output_dir="$OUT/compare-t07" "${tuned[@]}"

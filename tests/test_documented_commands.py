@@ -6,7 +6,7 @@ are run with `python` replaced by a recorder, so every Python command they would
 with the arguments the real shell gives it. The pages themselves: the README stays a short page
 for users (its opening commands, its length, no issue numbers or commit hashes), every relative
 link of README.md and docs/ resolves (a file, and a heading for #anchors), and the README's results
-table is the one scripts/plot_results.py reads from the comparisons' JSON."""
+table is the one scripts/bench/plot_results.py reads from the comparisons' JSON."""
 from __future__ import annotations
 
 import os
@@ -177,8 +177,8 @@ def test_the_commands_were_found():
     assert len({w for w, _ in COMMANDS if w.startswith("docs/")}) >= 20, sorted(docs)
     for page, c in [("docs/refresh.md", "python scripts/refresh.py"), ("docs/training.md", "python train/eagle.py"),
                     ("docs/data.md", "python train/medusa.py data=chat-jsonl data.path="),
-                    ("docs/benchmarks.md", "python scripts/plot_results.py"),
-                    ("docs/results/datastore.md", "python scripts/compare.py")]:
+                    ("docs/benchmarks.md", "python scripts/bench/plot_results.py"),
+                    ("docs/results/datastore.md", "python scripts/bench/compare.py")]:
         assert any(w == page and cmd.startswith(c) for w, cmd in COMMANDS), f"{page}: no {c} command"
 
 
@@ -255,10 +255,10 @@ def test_every_result_file_is_cited():
 
 
 def test_the_readme_results_table_is_the_json():
-    """The README's results table is what scripts/plot_results.py reads from the JSON its config names."""
+    """The README's results table is what scripts/bench/plot_results.py reads from the JSON its config names."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "bench" / "plot_results.py")
     plot_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_results)
     cfg = compose_config("plot_results")
@@ -272,7 +272,7 @@ def test_plot_results_writes_the_plot_and_refuses_what_it_cannot_plot(tmp_path, 
 
     from draftsmith.models.errors import DraftsmithError
 
-    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "bench" / "plot_results.py")
     plot_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_results)
     out = tmp_path / "headline.png"
@@ -357,7 +357,7 @@ def test_a_mistyped_value_stops_the_script_in_one_line():
 
 
 def test_a_benchmark_reports_its_childs_refusal_in_one_line():
-    """scripts/bench_*.py run the entry scripts as children (models.entry.run_measured): a child
+    """scripts/bench/bench_*.py run the entry scripts as children (models.entry.run_measured): a child
     that refuses its input ends the benchmark with that one line, not a wrapped traceback."""
     from draftsmith.models.entry import run_measured
     from draftsmith.models.errors import DraftsmithError

@@ -1,6 +1,6 @@
 """model.dtype is the one dtype of the verifier: every script that composes another script's
 config (or starts one) passes it on, or refuses it in one line; never replaced by a key of its
-own (`python scripts/compare.py model.dtype=float32` once ran in bfloat16)."""
+own (`python scripts/bench/compare.py model.dtype=float32` once ran in bfloat16)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,10 +1,10 @@
-"""scripts/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
+"""scripts/bench/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
 import json
 
 from omegaconf import OmegaConf
 
-from scripts import compare
-from scripts.compare import run
+from scripts.bench import compare
+from scripts.bench.compare import run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 

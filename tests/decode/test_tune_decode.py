@@ -1,4 +1,4 @@
-"""scripts/tune_decode.py: candidates measured against plain decoding, the fastest printed as
+"""scripts/bench/tune_decode.py: candidates measured against plain decoding, the fastest printed as
 overrides that compose, greedy losslessness checked per candidate, bad grids refused."""
 import json
 
@@ -8,7 +8,7 @@ import torch
 from draftsmith.decode import sampling
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
-from scripts.tune_decode import candidate_list, run
+from scripts.bench.tune_decode import candidate_list, run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa
@@ -88,8 +88,8 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     (tmp_path / "tune-eagle3" / "best.txt").write_text("decode.depth=6 decode.top_k=8 decode.total_tokens=16\n")
     calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3"})
     assert [c[0] for c in calls] == ["scripts/generate_selfdistill.py", "train/eagle.py", "train/eagle.py",
-                                     "train/eagle.py", "scripts/learning_curve.py", "scripts/tune_decode.py",
-                                     "scripts/build_datastore.py", "scripts/compare.py", "scripts/compare.py"]
+                                     "train/eagle.py", "scripts/bench/learning_curve.py", "scripts/bench/tune_decode.py",
+                                     "scripts/build_datastore.py", "scripts/bench/compare.py", "scripts/bench/compare.py"]
     base, cont, cont2 = calls[1:4]
     assert "method.noise=0" in base and f"output_dir={tmp_path}/eagle3" in base
     for call, data, steps, init, seed, out in ((cont, "sharegpt-mix", 200, "eagle3", 1, "eagle3-cont"),
@@ -123,14 +123,14 @@ def test_compare_all_passes_the_tuned_tree_to_both_comparisons(tmp_path):
     untuned = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
                                                                     "TUNE": "0", "CONTINUE_eagle3": ""})
     assert [c[0] for c in untuned].count("train/eagle.py") == 1
-    assert "scripts/tune_decode.py" not in [c[0] for c in untuned]
+    assert "scripts/bench/tune_decode.py" not in [c[0] for c in untuned]
     assert not any(a.startswith("methods.eagle3=") for c in untuned for a in c)
     one_stage = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "eagle3",
                                                                       "TUNE": "0", "CONTINUE_eagle3": "50:mix"})
     assert f"methods.eagle3=['method=eagle','drafter={tmp_path}/eagle3-cont/final','decode=eagle-dynamic']" in one_stage[-1]
     no_eagle = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "medusa1 draft-fkl"})
     assert [c[0] for c in no_eagle].count("train/eagle.py") == 0
-    only = [compose_config("compare", c[1:]).only for c in no_eagle if c[0] == "scripts/compare.py"]
+    only = [compose_config("compare", c[1:]).only for c in no_eagle if c[0] == "scripts/bench/compare.py"]
     assert only == [["medusa1", "draft-fkl", "medusa1-pl", "draft-fkl-pl", "draft-fkl-cpu", "prompt-lookup", "lookahead",
                      "medusa1-ds", "draft-fkl-ds", "draft-fkl-cpu-ds", "prompt-lookup-ds"],
                     ["medusa1", "draft-fkl", "medusa1-pl"]]  # a draft model's graft is greedy only
@@ -207,7 +207,7 @@ def test_compare_all_compares_the_draft_as_sized_for_the_cpus(tmp_path):
     from tests.test_documented_commands import check, recorded_python_calls
 
     calls = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl"})
-    greedy, t07 = [c for c in calls if c[0] == "scripts/compare.py"]
+    greedy, t07 = [c for c in calls if c[0] == "scripts/bench/compare.py"]
     for call in (greedy, t07):
         check(call, "compare_all.sh")
     cfg = compose_config("compare", greedy[1:])
@@ -219,6 +219,6 @@ def test_compare_all_compares_the_draft_as_sized_for_the_cpus(tmp_path):
     assert compose_config("compare", t07[1:]).only == ["draft-fkl"]
     ungrafted = recorded_python_calls("scripts/compare_all.sh", [], {"OUT": str(tmp_path), "METHODS": "draft-fkl",
                                                                       "GRAFT": "0"})
-    assert compose_config("compare", [c for c in ungrafted if c[0] == "scripts/compare.py"][0][1:]).only == [
+    assert compose_config("compare", [c for c in ungrafted if c[0] == "scripts/bench/compare.py"][0][1:]).only == [
         "draft-fkl", "prompt-lookup", "lookahead", "draft-fkl-ds", "prompt-lookup-ds"]
 

@@ -1,9 +1,9 @@
 """Compare decoding methods on the same verifier, prompts and settings; one table.
 
-    python scripts/compare.py                                            # conf/compare.yaml
-    python scripts/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
-    python scripts/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
-    python scripts/compare.py num_prompts=4 temperatures='[0.0]' \
+    python scripts/bench/compare.py                                            # conf/compare.yaml
+    python scripts/bench/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
+    python scripts/bench/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
+    python scripts/bench/compare.py num_prompts=4 temperatures='[0.0]' \
         "methods={fkl: ['method=draft', 'drafter=outputs/draft-smollm2-135m-draft-fkl/final', 'decode=draft-chain']}"
 
 Every cell (method x dataset x temperature) is one decode/evaluate.py run in this process,

@@ -1,6 +1,6 @@
 """EAGLE-3 against P-EAGLE, each with and without the LK loss: the table of scripts/compare_peagle.sh.
 
-    python scripts/peagle_summary.py cmp_dir=outputs/peagle-cmp
+    python scripts/bench/peagle_summary.py cmp_dir=outputs/peagle-cmp
 
 Reads what the recipe wrote under cmp_dir: the comparison (compare/compare.json and each cell's
 results.json: tau, the drafter's and the verifier's mean milliseconds per step, nodes per step,
@@ -111,10 +111,10 @@ def markdown(rows: list[dict], checks: list[dict], curves: dict, compare: dict) 
 
 
 def run(cfg: DictConfig) -> dict:
-    compare = read_json(cfg.cmp_dir, "compare/compare.json", "scripts/compare.py's output")
+    compare = read_json(cfg.cmp_dir, "compare/compare.json", "scripts/bench/compare.py's output")
     rows = cells(cfg, compare)
     checks = targets(cfg, rows)
-    curves = read_json(cfg.cmp_dir, "curves/learning_curve.json", "scripts/learning_curve.py's output")
+    curves = read_json(cfg.cmp_dir, "curves/learning_curve.json", "scripts/bench/learning_curve.py's output")
     table = markdown(rows, checks, curves, compare)
     out = Path(cfg.cmp_dir)
     write_atomic_text(out / "peagle.md", table + "\n")
