@@ -1,4 +1,4 @@
-"""scripts/bench/peagle_summary.py on what the recipe's own steps write (scripts/compare_peagle.sh at toy
+"""scripts/bench/peagle_summary.py on what the recipe's own steps write (experiment=compare-peagle at toy
 size: four tiny drafters trained by train/eagle.py, scripts/bench/learning_curve.py over their snapshots,
 scripts/bench/compare.py over their finals): one table row per drafter x dataset with the comparison's
 figures and its cell's step timings, the curves' points, and the two targets checked, including
@@ -124,8 +124,8 @@ def test_a_missing_comparison_curve_or_method_is_refused(cmp_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     for folder in (tmp_path / "nowhere", tmp_path / "empty"):
         with pytest.raises(DraftsmithError, match=rf"^cmp_dir={re.escape(str(folder))}: no compare/compare.json \("
-                                                  rf"scripts/bench/compare.py's output\); run bash scripts/compare_peagle.sh "
-                                                  rf"\(OUT={re.escape(str(folder))}\) first$"):
+                                                  rf"scripts/bench/compare.py's output\); run python scripts/experiment.py "
+                                                  rf"experiment=compare-peagle out={re.escape(str(folder))} first$"):
             summary(folder)
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -153,5 +153,5 @@ def test_the_script_refuses_a_missing_cmp_dir_in_one_line(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     nowhere = tmp_path / "nowhere"
     assert lines == [f"draftsmith: error: cmp_dir={nowhere}: no compare/compare.json (scripts/bench/compare.py's output); "
-                     f"run bash scripts/compare_peagle.sh (OUT={nowhere}) first"], proc.stderr
+                     f"run python scripts/experiment.py experiment=compare-peagle out={nowhere} first"], proc.stderr
     assert not (tmp_path / "nowhere").exists()  # nothing written where nothing was found

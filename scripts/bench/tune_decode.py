@@ -137,7 +137,7 @@ def run(cfg: DictConfig) -> dict:
               "load_avg_1m_before": load_before,
               "load_avg_1m_after": os.getloadavg()[0], "rows": rows, "best": best}
     write_atomic_text(out_dir / "tune_decode.json", json.dumps(report, indent=2))
-    write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # for shell scripts: scripts/compare_all.sh
+    write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # compare.py tuned.<method>= reads it
     table = markdown(report)
     write_atomic_text(out_dir / "tune_decode.md", table + "\n")
     plot(report, out_dir)
