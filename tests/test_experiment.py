@@ -2,7 +2,8 @@
 its script's own config; the steps run in order, as subprocesses, and the first that fails stops
 the run naming it; a rerun skips the steps whose `done` file exists; bad keys and step names are
 refused in one line; the hand-offs between steps (features, continued stages, the tuned tree, the
-comparison's and curves' folders) line up. Nothing is trained: the subprocess call is recorded."""
+comparison's and curves' folders) line up. Nothing is trained: the subprocess call is recorded
+(one test lets a real step fail)."""
 from __future__ import annotations
 
 import shlex
@@ -209,3 +210,17 @@ def test_an_unknown_key_or_experiment_stops_the_runner_in_one_line():
                               text=True, timeout=120)
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
+
+
+def test_a_real_failing_step_ends_the_runner_in_one_line_after_its_own(tmp_path):
+    """Unrecorded: the runner starts the step's script with this python; the step's own refusal
+    is printed, then the runner's line naming the step, and the exit status is 2."""
+    out = tmp_path / "nowhere"
+    proc = subprocess.run([sys.executable, "scripts/experiment.py", "experiment=compare-peagle", f"out={out}",
+                           "skip=[eagle3,eagle3-lk,peagle,peagle-lk,curves,compare]"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-2].startswith(f"draftsmith: error: cmp_dir={out}: no compare/compare.json")
+    assert lines[-1].startswith("draftsmith: error: step 1/1 summary failed (exit status 2")
+    assert "step 1/1 summary: python scripts/bench/peagle_summary.py" in proc.stdout
