@@ -121,7 +121,7 @@ class StaticCompiled:
 def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> DictConfig:
     """The conf/evaluate.yaml config with these overrides and, when given, this whole `model` node
     (the caller's verifier, dtype included), composed from Python or from inside another
-    script's Hydra app (scripts/compare.py, scripts/learning_curve.py)."""
+    script's Hydra app (scripts/bench/compare.py, scripts/bench/learning_curve.py)."""
     if model is not None:
         given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "model"]
         if given:

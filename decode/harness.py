@@ -7,7 +7,7 @@ Each prompt is decoded by every decoder in turn (name -> proposer, None = plain 
 that goes first rotating with the prompt (none always meets a warm or a cold machine), each sample
 seeded the same for all, so their speeds are measured side by side in one run and their outputs are
 comparable token for token. decode/evaluate.py (the report, HF's baselines, plots) and
-scripts/tune_decode.py (tree candidates) both run it; here too: the greedy comparison with plain
+scripts/bench/tune_decode.py (tree candidates) both run it; here too: the greedy comparison with plain
 decoding (ties in reduced precision), per-token latencies and each decoder's statistics.
 """
 from __future__ import annotations

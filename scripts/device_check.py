@@ -186,7 +186,7 @@ def train_args(cfg, method: str, run_dir: Path) -> list[str]:
 def loss_summary(run_dir: Path) -> dict:
     """From the run's metrics.csv: its tokens/s (the trainer's own, at the last step) and its loss
     at the start and end (first / last step, and the means of the first and last quarter)."""
-    from scripts.bench_train import read_metrics
+    from scripts.bench.bench_train import read_metrics
 
     metrics = read_metrics(run_dir)
     losses = [v for _, v in metrics["train/loss"]]

@@ -3,12 +3,14 @@
 entry script's own override check (misspelt keys, data keys the source would ignore) and Hydra's
 composition with all its overrides, without running the job. Shell scripts (`bash scripts/X.sh ...`)
 are run with `python` replaced by a recorder, so every Python command they would run is checked
-with the arguments the real shell gives it. The pages themselves: the README stays a short page
+with the arguments the real shell gives it; a named experiment (`python scripts/experiment.py
+experiment=X ...`) has every step's command checked, as its dry run would give them. The pages themselves: the README stays a short page
 for users (its opening commands, its length, no issue numbers or commit hashes), every relative
 link of README.md and docs/ resolves (a file, and a heading for #anchors), and the README's results
-table is the one scripts/plot_results.py reads from the comparisons' JSON."""
+table is the one scripts/bench/plot_results.py reads from the comparisons' JSON."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -50,10 +52,17 @@ def page_commands(page: str) -> list[str]:
     return [c for c in commands if first_word(c) in LAUNCHERS]
 
 
+def first_line(path: Path) -> str:
+    """The first line of a YAML file after Hydra's `# @package` header, if it has one (a named
+    experiment's `# @package _global_` must come first)."""
+    lines = path.read_text().splitlines()
+    return lines[1] if lines[0].startswith("# @package ") else lines[0]
+
+
 def yaml_commands() -> list[tuple[str, str]]:
     out = []
     for path in sorted((ROOT / "conf").rglob("*.yaml")):
-        first = path.read_text().splitlines()[0]
+        first = first_line(path)
         assert first.startswith("# "), f"{path} does not start with the command that uses it"
         out.append((str(path.relative_to(ROOT)), re.split(r"\s{2,}", first[2:].strip())[0]))
     return out
@@ -97,6 +106,8 @@ def python_invocations(command: str) -> list[list[str]]:
             if words[1] in NOT_JOBS:
                 continue
             out.append(words[1:])
+            if words[1] == "scripts/experiment.py":
+                out += experiment_steps(words[2:])
         elif words[0] in ("accelerate", "torchrun"):
             script = next(i for i, w in enumerate(words) if w.endswith(".py"))
             config = [words[i + 1] for i, w in enumerate(words) if w == "--config_file"]
@@ -108,6 +119,19 @@ def python_invocations(command: str) -> list[list[str]]:
                 continue  # CI runs it as the README says
             out += recorded_python_calls(words[1], words[2:], env_of(part))
     return out
+
+
+def experiment_steps(args: list[str]) -> list[list[str]]:
+    """Each step command [script, *overrides] of the experiment these overrides choose (what
+    `dry_run=true` prints)."""
+    return [list(c) for c in _experiment_steps(tuple(a for a in args if not a.startswith("-")))]
+
+
+@functools.lru_cache(maxsize=None)  # many pages cite the same experiment command
+def _experiment_steps(args: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    from scripts.experiment import commands
+
+    return tuple(tuple(command) for _, command in commands(compose_config("experiment", list(args))))
 
 
 def recorded_python_calls(script: str, args: list[str], env: dict) -> list[list[str]]:
@@ -177,8 +201,10 @@ def test_the_commands_were_found():
     assert len({w for w, _ in COMMANDS if w.startswith("docs/")}) >= 20, sorted(docs)
     for page, c in [("docs/refresh.md", "python scripts/refresh.py"), ("docs/training.md", "python train/eagle.py"),
                     ("docs/data.md", "python train/medusa.py data=chat-jsonl data.path="),
-                    ("docs/benchmarks.md", "python scripts/plot_results.py"),
-                    ("docs/results/datastore.md", "python scripts/compare.py")]:
+                    ("docs/benchmarks.md", "python scripts/bench/plot_results.py"),
+                    ("docs/benchmarks.md", "python scripts/experiment.py experiment=compare-all"),
+                    ("docs/peagle.md", "python scripts/experiment.py experiment=compare-peagle"),
+                    ("docs/results/datastore.md", "python scripts/bench/compare.py")]:
         assert any(w == page and cmd.startswith(c) for w, cmd in COMMANDS), f"{page}: no {c} command"
 
 
@@ -255,10 +281,10 @@ def test_every_result_file_is_cited():
 
 
 def test_the_readme_results_table_is_the_json():
-    """The README's results table is what scripts/plot_results.py reads from the JSON its config names."""
+    """The README's results table is what scripts/bench/plot_results.py reads from the JSON its config names."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "bench" / "plot_results.py")
     plot_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_results)
     cfg = compose_config("plot_results")
@@ -272,7 +298,7 @@ def test_plot_results_writes_the_plot_and_refuses_what_it_cannot_plot(tmp_path, 
 
     from draftsmith.models.errors import DraftsmithError
 
-    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "plot_results.py")
+    spec = importlib.util.spec_from_file_location("plot_results", ROOT / "scripts" / "bench" / "plot_results.py")
     plot_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_results)
     out = tmp_path / "headline.png"
@@ -357,7 +383,7 @@ def test_a_mistyped_value_stops_the_script_in_one_line():
 
 
 def test_a_benchmark_reports_its_childs_refusal_in_one_line():
-    """scripts/bench_*.py run the entry scripts as children (models.entry.run_measured): a child
+    """scripts/bench/bench_*.py run the entry scripts as children (models.entry.run_measured): a child
     that refuses its input ends the benchmark with that one line, not a wrapped traceback."""
     from draftsmith.models.entry import run_measured
     from draftsmith.models.errors import DraftsmithError

@@ -1,6 +1,6 @@
 """model.dtype is the one dtype of the verifier: every script that composes another script's
 config (or starts one) passes it on, or refuses it in one line; never replaced by a key of its
-own (`python scripts/compare.py model.dtype=float32` once ran in bfloat16)."""
+own (`python scripts/bench/compare.py model.dtype=float32` once ran in bfloat16)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def script(name: str):
+    """scripts/<name>.py (a pipeline step) or scripts/bench/<name>.py (a benchmark), loaded as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"dtype_{name}", ROOT / "scripts" / f"{name}.py")
+    path = next(p for p in (ROOT / "scripts" / f"{name}.py", ROOT / "scripts" / "bench" / f"{name}.py") if p.is_file())
+    spec = importlib.util.spec_from_file_location(f"dtype_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

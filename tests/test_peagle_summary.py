@@ -1,6 +1,6 @@
-"""scripts/peagle_summary.py on what the recipe's own steps write (scripts/compare_peagle.sh at toy
-size: four tiny drafters trained by train/eagle.py, scripts/learning_curve.py over their snapshots,
-scripts/compare.py over their finals): one table row per drafter x dataset with the comparison's
+"""scripts/bench/peagle_summary.py on what the recipe's own steps write (experiment=compare-peagle at toy
+size: four tiny drafters trained by train/eagle.py, scripts/bench/learning_curve.py over their snapshots,
+scripts/bench/compare.py over their finals): one table row per drafter x dataset with the comparison's
 figures and its cell's step timings, the curves' points, and the two targets checked, including
 a target that is not met; a cmp_dir without the recipe's outputs is refused in one line."""
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.eagle import run as train
-from scripts import compare, learning_curve, peagle_summary
+from scripts.bench import compare, learning_curve, peagle_summary
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 
@@ -124,8 +124,8 @@ def test_a_missing_comparison_curve_or_method_is_refused(cmp_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     for folder in (tmp_path / "nowhere", tmp_path / "empty"):
         with pytest.raises(DraftsmithError, match=rf"^cmp_dir={re.escape(str(folder))}: no compare/compare.json \("
-                                                  rf"scripts/compare.py's output\); run bash scripts/compare_peagle.sh "
-                                                  rf"\(OUT={re.escape(str(folder))}\) first$"):
+                                                  rf"scripts/bench/compare.py's output\); run python scripts/experiment.py "
+                                                  rf"experiment=compare-peagle out={re.escape(str(folder))} first$"):
             summary(folder)
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -141,17 +141,17 @@ def test_a_missing_comparison_curve_or_method_is_refused(cmp_dir, tmp_path):
     no_curves = tmp_path / "no-curves"
     no_curves.mkdir()
     subprocess.run(["cp", "-r", str(cmp_dir / "compare"), str(no_curves / "compare")], check=True)
-    with pytest.raises(DraftsmithError, match=r"no curves/learning_curve.json \(scripts/learning_curve.py's output\)"):
+    with pytest.raises(DraftsmithError, match=r"no curves/learning_curve.json \(scripts/bench/learning_curve.py's output\)"):
         summary(no_curves)
     assert not (no_curves / "peagle.md").exists()
 
 
 def test_the_script_refuses_a_missing_cmp_dir_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/peagle_summary.py", f"cmp_dir={tmp_path / 'nowhere'}"],
+    proc = subprocess.run([sys.executable, "scripts/bench/peagle_summary.py", f"cmp_dir={tmp_path / 'nowhere'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     nowhere = tmp_path / "nowhere"
-    assert lines == [f"draftsmith: error: cmp_dir={nowhere}: no compare/compare.json (scripts/compare.py's output); "
-                     f"run bash scripts/compare_peagle.sh (OUT={nowhere}) first"], proc.stderr
+    assert lines == [f"draftsmith: error: cmp_dir={nowhere}: no compare/compare.json (scripts/bench/compare.py's output); "
+                     f"run python scripts/experiment.py experiment=compare-peagle out={nowhere} first"], proc.stderr
     assert not (tmp_path / "nowhere").exists()  # nothing written where nothing was found

@@ -193,7 +193,7 @@ def bench_rows(model_overrides: list[str], drafters: dict[str, str], prompts: li
                out_dir: str | Path, dtypes: tuple[str, ...] = ("float32", "bfloat16"), k: int = 3,
                clients: tuple[int, ...] = (1,), threads: int = 2, ngram: str | None = "ngram-simple",
                poll: int | None = None, log=print) -> list[dict]:
-    """llama.cpp's rows for a peer benchmark (scripts/bench_peers.py's row dicts: engine, row, batch,
+    """llama.cpp's rows for a peer benchmark (scripts/bench/bench_peers.py's row dicts: engine, row, batch,
     tokens, seconds, tau; `error` for a drafter llama.cpp cannot run): for each dtype, plain decoding
     and each drafter (exported with scripts/export.py format=gguf into out_dir/gguf-<dtype>/<name>,
     drafting k tokens a step) at every concurrency in `clients` (one server with -np N; batch = N,
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--poll", type=int, default=None, help="llama.cpp's --poll; 0 on a box shared with other work")
     p.add_argument("--ignore-eos", action="store_true", help="never stop at EOS (every request writes "
-                                                                 "--max-new-tokens, as scripts/bench_peers.py's rows)")
+                                                                 "--max-new-tokens, as scripts/bench/bench_peers.py's rows)")
     p.add_argument("--args", default="", help="more llama-server flags, one string (e.g. '-fa off -ctk f32')")
     p.add_argument("--out", help="write the results here as JSON")
     a = p.parse_args(argv)

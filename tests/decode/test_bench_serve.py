@@ -1,4 +1,4 @@
-"""scripts/bench_serve.py at toy size: the draftsmith rows (batch-1, plain continuous batching,
+"""scripts/bench/bench_serve.py at toy size: the draftsmith rows (batch-1, plain continuous batching,
 speculation at a fixed and a load-aware budget, plain again for the noise) on the tiny verifier
 through the real server and the openai client, with every row field, the per-request records, the
 greedy text check, the JSON / markdown / PNG; the text check's verdicts (identical, a divergence, a
@@ -14,7 +14,7 @@ from draftsmith.decode.engine import generate, width_bucket
 from draftsmith.decode.harness import percentile, prompt_ids
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.verifier import load_verifier
-from scripts import bench_serve
+from scripts.bench import bench_serve
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config, free_port
 from tests.tiny import save_tiny_medusa
@@ -162,7 +162,7 @@ def test_a_server_that_dies_under_load_is_a_one_line_row_error(tmp_path):
     import subprocess
     import sys
 
-    from scripts.bench_serve import Process
+    from scripts.bench.bench_serve import Process
 
     log = tmp_path / "peer.log"
     code = "print('RuntimeError: CPU Generator does not use offset'); raise SystemExit(3)"
@@ -178,7 +178,7 @@ def test_a_server_that_dies_under_load_is_a_one_line_row_error(tmp_path):
 
 def test_vllm_reads_every_prompt_whole_unless_asked(monkeypatch, tmp_path):
     """vLLM-CPU 0.32 dies on seeded sampling over a chunked prefill: the peer server runs without it."""
-    from scripts import bench_serve
+    from scripts.bench import bench_serve
     from scripts.engines import vllm_cpu
 
     monkeypatch.setattr(vllm_cpu, "ensure", lambda *a, **k: "python")

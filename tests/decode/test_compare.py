@@ -1,10 +1,10 @@
-"""scripts/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
+"""scripts/bench/compare.py: several methods x datasets x temperatures into one table (tiny model)."""
 import json
 
 from omegaconf import OmegaConf
 
-from scripts import compare
-from scripts.compare import run
+from scripts.bench import compare
+from scripts.bench.compare import run
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 
@@ -52,7 +52,7 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
 
 
 def test_catalog_follows_cmp_dir(tmp_path):
-    """compare_all.sh trains into OUT and passes cmp_dir=OUT: every catalog drafter and the HF
+    """experiment=compare-all trains into `out` and passes cmp_dir=out: every catalog drafter and the HF
     assistant must point there (a stale outputs/cmp path would silently skip the methods)."""
     cfg = compose_config("compare", [f"cmp_dir={tmp_path}"])
     drafters = {name: next(o.split("=", 1)[1] for o in ov if o.startswith("drafter=")) for name, ov in cfg.methods.items()}
@@ -93,10 +93,37 @@ def test_num_prompts_per_dataset(tmp_path):
     untrained = compose_config("compare", [f"cmp_dir={tmp_path / 'none'}", "only=[eagle3,medusa1-pl]",
                                            f"output_dir={tmp_path / 'untrained'}"])
     with pytest.raises(DraftsmithError, match=r"^no drafter for \['eagle3', 'medusa1-pl'\] \(looked in \[.*none/eagle3/final"
-                                              r".*\]\); train them first \(bash scripts/compare_all.sh"):
+                                              r".*\]\); train them first \(python scripts/experiment.py experiment=compare-all"):
         run(untrained)  # every named method untrained: an empty table would look like a finished run
     assert not (tmp_path / "untrained").exists()
     assert not (tmp_path / "misspelt").exists()
+
+
+def test_tuned_gives_a_method_the_tree_tune_decode_chose(tmp_path):
+    """tuned.<method>: a scripts/bench/tune_decode.py best.txt whose overrides the method's cells get
+    (after its own); a missing file or a name not among the methods is refused before any work."""
+    import pytest
+
+    from draftsmith.models.errors import DraftsmithError
+
+    best = tmp_path / "tune" / "best.txt"
+    best.parent.mkdir()
+    best.write_text("decode.depth=3 decode.top_k=4 decode.total_tokens=12\n")
+    cfg = compose_config("compare", [f"cmp_dir={tmp_path}", f"tuned={{eagle3: {best}, eagle3-pl: {best}}}"])
+    assert compare.method_overrides(cfg, "eagle3") == [*cfg.methods.eagle3, "decode.depth=3", "decode.top_k=4",
+                                                       "decode.total_tokens=12"]
+    assert compare.method_overrides(cfg, "eagle3-pl")[-3:] == ["decode.depth=3", "decode.top_k=4", "decode.total_tokens=12"]
+    assert compare.method_overrides(cfg, "medusa1") == list(cfg.methods.medusa1)
+    evaluated = compose_config("evaluate", compare.method_overrides(cfg, "eagle3-pl"))  # they compose, the graft kept
+    assert (evaluated.decode.depth, evaluated.decode.total_tokens, evaluated.decode.lookup_tokens) == (3, 12, 10)
+    missing = compose_config("compare", [f"tuned={{eagle3: {tmp_path / 'none.txt'}}}", "only=[eagle3]",
+                                         f"output_dir={tmp_path / 'missing'}"])
+    with pytest.raises(DraftsmithError, match=r"^tuned.eagle3=.*none.txt: no such file; size the tree first"):
+        run(missing)
+    stray = compose_config("compare", [f"tuned={{eagle33: {best}}}", f"output_dir={tmp_path / 'stray'}"])
+    with pytest.raises(DraftsmithError, match=r"^tuned=\{'eagle33': .*\['eagle33'\] not in methods; choose from medusa1"):
+        run(stray)
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "stray").exists()
 
 
 def test_plain_static_adds_hf_static_compile_to_the_fastest_plain_contenders(tiny_model_dir, tmp_path):

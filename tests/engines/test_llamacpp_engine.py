@@ -271,14 +271,14 @@ def test_the_pages_commands_run(setup, server_binary, tmp_path, monkeypatch):
 
 
 def test_bench_peers_times_llamacpp_beside_draftsmith(setup, exported, tmp_path):
-    """scripts/bench_peers.py with llama.cpp's rows (vLLM off): plain in f32, the EAGLE-3 and the draft
+    """scripts/bench/bench_peers.py with llama.cpp's rows (vLLM off): plain in f32, the EAGLE-3 and the draft
     model exported to GGUF, its n-gram proposer, at one and two concurrent requests; each text equals
     llama.cpp's plain text, the EAGLE-3 row's acceptance equals what draftsmith's chain accepts, speedups
     are quoted against the fastest plain decoding, and a Medusa the export refuses is a row saying why."""
     from draftsmith.models.checkpoint import save_drafter
     from draftsmith.models.medusa import MedusaConfig, MedusaHeads
     from draftsmith.models.verifier import fingerprint
-    from scripts.bench_peers import run as bench
+    from scripts.bench.bench_peers import run as bench
 
     model = setup["verifier"].model
     heads_cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=4)
@@ -315,7 +315,7 @@ def test_bench_peers_times_llamacpp_beside_draftsmith(setup, exported, tmp_path)
 ])
 def test_bench_peers_refuses_bad_llamacpp_settings(llamacpp_verifier, tmp_path, override, message):
     from draftsmith.models.errors import DraftsmithError
-    from scripts.bench_peers import run as bench
+    from scripts.bench.bench_peers import run as bench
 
     with pytest.raises(DraftsmithError, match=message):
         bench(compose_config("bench_peers", model_overrides(llamacpp_verifier) + [override, f"output_dir={tmp_path}"]))

@@ -339,10 +339,10 @@ def test_the_printed_serve_command_serves_on_vllm_cpu(engine):
 
 
 def test_bench_peers_times_vllm_beside_draftsmith(engine, tmp_path):
-    """scripts/bench_peers.py at tiny size: every row runs, each engine's speculative text equals its
+    """scripts/bench/bench_peers.py at tiny size: every row runs, each engine's speculative text equals its
     plain text, vLLM's EAGLE-3 acceptance equals draftsmith's with the same chain, and speedups are
     quoted against the fastest plain decoding of the same batching, whichever engine's."""
-    from scripts.bench_peers import run as bench
+    from scripts.bench.bench_peers import run as bench
 
     report = bench(compose_config("bench_peers", engine["model_overrides"] + [
         "data=tiny", "data.num_prompts=2", "max_new_tokens=12", "threads=1", "vllm_threads=1", "llamacpp=null",

@@ -105,8 +105,8 @@ def test_resolve_device_picks_cuda_only_when_torch_sees_it(monkeypatch):
         resolve_device("cuda:2")
 
 
-@pytest.mark.parametrize("script", ["decode/evaluate.py", "decode/serve.py", "scripts/tune_decode.py",
-                                    "scripts/compare.py", "scripts/learning_curve.py"])
+@pytest.mark.parametrize("script", ["decode/evaluate.py", "decode/serve.py", "scripts/bench/tune_decode.py",
+                                    "scripts/bench/compare.py", "scripts/bench/learning_curve.py"])
 def test_a_device_this_torch_cannot_use_stops_the_decoder_in_one_line(script, tmp_path):
     out = [] if script == "decode/serve.py" else [f"output_dir={tmp_path}"]  # a server writes nothing
     own = ["method=vanilla", "drafter=null"] if script.startswith("decode/") or "tune" in script else []

@@ -1,4 +1,4 @@
-"""Snapshots during training (trainer.snapshot_every) and scripts/learning_curve.py over them:
+"""Snapshots during training (trainer.snapshot_every) and scripts/bench/learning_curve.py over them:
 tokens and seconds accumulate across a resume, every snapshot is a drafter the evaluator
 decodes, and the curve's JSON / table / plot are written (tiny verifier)."""
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from draftsmith.models.errors import DraftsmithError
 from draftsmith.train.eagle import run as train
-from scripts import learning_curve
+from scripts.bench import learning_curve
 from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 

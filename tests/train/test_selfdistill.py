@@ -221,7 +221,7 @@ def test_vllm_backend_without_vllm_is_a_one_line_error(model_dir, tmp_path, monk
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_selfdistill", ROOT / "scripts" / "bench_selfdistill.py")
+    spec = importlib.util.spec_from_file_location("bench_selfdistill", ROOT / "scripts" / "bench" / "bench_selfdistill.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

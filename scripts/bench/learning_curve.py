@@ -2,7 +2,7 @@
 training run saved (trainer.snapshot_every=N writes output_dir/snapshots/step-N).
 
     python train/eagle.py method=eagle3 data=mix trainer=cpu-long output_dir=outputs/long/eagle3
-    python scripts/learning_curve.py runs.eagle3=outputs/long/eagle3
+    python scripts/bench/learning_curve.py runs.eagle3=outputs/long/eagle3
 
 For every snapshot: the held-out tau the trainer measured (its meta.json metrics, with the
 training tokens and seconds so far: the simulated acceptance length of Medusa / EAGLE heads,

@@ -1,9 +1,9 @@
 """Compare decoding methods on the same verifier, prompts and settings; one table.
 
-    python scripts/compare.py                                            # conf/compare.yaml
-    python scripts/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
-    python scripts/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
-    python scripts/compare.py num_prompts=4 temperatures='[0.0]' \
+    python scripts/bench/compare.py                                            # conf/compare.yaml
+    python scripts/bench/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
+    python scripts/bench/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
+    python scripts/bench/compare.py num_prompts=4 temperatures='[0.0]' \
         "methods={fkl: ['method=draft', 'drafter=outputs/draft-smollm2-135m-draft-fkl/final', 'decode=draft-chain']}"
 
 Every cell (method x dataset x temperature) is one decode/evaluate.py run in this process,
@@ -14,7 +14,8 @@ speed a user gets without any drafter on this machine (`plain_static=true` adds 
 StaticCache with its decode step torch.compile'd to the contenders). Writes output_dir/compare.{json,md} and each cell's evaluate folder
 (with cell.yaml, the cell's full config). A rerun into the same output_dir reuses every cell
 whose cell.yaml matches exactly (a stopped comparison resumes; a changed setting re-runs that
-cell); `rerun=true` runs them all again.
+cell); `rerun=true` runs them all again. `tuned` gives a method the tree scripts/bench/tune_decode.py
+found fastest (its best.txt, read when the comparison starts).
 """
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ def datastore_of(overrides) -> str:
     return next((o.split("=", 1)[1] for o in overrides if o.startswith("decode.datastore=")), "null")
 
 
+def tuned_overrides(cfg: DictConfig, name: str) -> list[str]:
+    """The overrides in the tune_decode.py best.txt that `tuned` names for this method ([] if none)."""
+    path = (cfg.tuned or {}).get(name)
+    if path is None:
+        return []
+    if not Path(path).is_file():
+        raise DraftsmithError(f"tuned.{name}={path}: no such file; size the tree first (python scripts/bench/"
+                              f"tune_decode.py drafter=... output_dir={Path(path).parent}) or drop tuned.{name}")
+    return Path(path).read_text().split()
+
+
+def method_overrides(cfg: DictConfig, name: str) -> list[str]:
+    """A method's decode/evaluate.py overrides: its entry in methods, then its tuned tree's."""
+    return [*cfg.methods[name], *tuned_overrides(cfg, name)]
+
+
 def run(cfg: DictConfig) -> dict:
     if isinstance(cfg.only, str):  # only=eagle3: Hydra gives a string, which would be tested letter by letter
         raise DraftsmithError(f"only={cfg.only}: give a list of method names, only='[{cfg.only}]'")
@@ -127,6 +144,9 @@ def run(cfg: DictConfig) -> dict:
     if unknown:  # a misspelt name would silently drop that method from the table
         raise DraftsmithError(f"only={list(cfg.only)}: {unknown} not in methods; choose from "
                               f"{', '.join(cfg.methods)} (or add it: '+methods.NAME=[...]')")
+    stray = [name for name in (cfg.tuned or {}) if name not in cfg.methods]
+    if stray:  # a misspelt name would silently leave that method's tree untuned
+        raise DraftsmithError(f"tuned={dict(cfg.tuned)}: {stray} not in methods; choose from {', '.join(cfg.methods)}")
     for dataset in cfg.datasets:  # a num_prompts map missing a dataset is refused before any work
         prompts_for(cfg, dataset)
     resolve_device(cfg.device)  # ... and so is a device this torch cannot use
@@ -135,6 +155,7 @@ def run(cfg: DictConfig) -> dict:
         raise DraftsmithError(f"num_prompts={dict(cfg.num_prompts)} counts {extra}, not in datasets="
                               f"{list(cfg.datasets)}; drop {extra} from the map or add it to datasets")
     chosen = [name for name in cfg.methods if cfg.only is None or name in cfg.only]
+    methods = {name: method_overrides(cfg, name) for name in chosen}  # a missing best.txt is refused here
     drafters = {name: drafter_of(cfg.methods[name]) for name in chosen}
     untrained = {name: d for name, d in drafters.items() if d != "null" and not Path(d).is_dir()}
     unbuilt = {name: datastore_of(cfg.methods[name]) for name in chosen if name not in untrained}
@@ -144,7 +165,8 @@ def run(cfg: DictConfig) -> dict:
                               f"first: python scripts/build_datastore.py data=sharegpt-pypi (or set datastore=)")
     if chosen and len(untrained) == len(chosen):  # nothing would run: an empty table is not a result
         raise DraftsmithError(f"no drafter for {list(untrained)} (looked in {sorted(set(untrained.values()))}); "
-                              f"train them first (bash scripts/compare_all.sh trains into cmp_dir={cfg.cmp_dir}) "
+                              f"train them first (python scripts/experiment.py experiment=compare-all trains into "
+                              f"cmp_dir={cfg.cmp_dir}) "
                               f"or set cmp_dir / the methods' drafter= to where they are")
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,9 +174,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.assistant and not Path(cfg.assistant).is_dir():
         print(f"compare: no HF assisted generation: no draft model at assistant={cfg.assistant}", flush=True)
         cfg.assistant = None
-    for name, overrides in cfg.methods.items():
-        if cfg.only is not None and name not in cfg.only:
-            continue
+    for name, overrides in methods.items():
         drafter = drafter_of(overrides)
         if name in untrained:
             print(f"compare: skipping {name}: no drafter at {drafter} (train it first)", flush=True)
@@ -166,7 +186,7 @@ def run(cfg: DictConfig) -> dict:
         for dataset in cfg.datasets:
             for temperature in cfg.temperatures:
                 out = out_dir / f"{name}-{dataset}-T{temperature}"
-                cell = cell_config(cfg, list(overrides), dataset, float(temperature), out, hf=name == cfg.hf_with)
+                cell = cell_config(cfg, overrides, dataset, float(temperature), out, hf=name == cfg.hf_with)
                 report = run_cell(cell, out, rerun=bool(cfg.rerun))
                 method = next(m for m in report["methods"] if m != "vanilla" and not m.startswith("hf_"))
                 ours = report["methods"][method]

@@ -1,7 +1,7 @@
 """Where a verifier step's time goes: HF's eager forward against the engine's own (decode/forward.py).
 
-    python scripts/profile_step.py                                   # SmolLM2, bf16 + fp32, 1 and 16 tokens
-    python scripts/profile_step.py dtypes=[bfloat16] tokens=[1,8,32] cache_len=512
+    python scripts/bench/profile_step.py                                   # SmolLM2, bf16 + fp32, 1 and 16 tokens
+    python scripts/bench/profile_step.py dtypes=[bfloat16] tokens=[1,8,32] cache_len=512
 
 For each forward (hf: the HF decoder over the static cache, what the engine ran before; fast:
 the Llama-family forward; compiled: fast under torch.compile when compile=true) x dtype x

@@ -1,8 +1,8 @@
 """Self-distillation benchmark: new tokens/s of each generation backend on the same prompts,
 measured in one run (each case a fresh `scripts/generate_selfdistill.py` process).
 
-    python scripts/bench_selfdistill.py                             # the cases in conf/bench_selfdistill.yaml
-    python scripts/bench_selfdistill.py num_prompts=32 cases=[hf-fp32-b16,batched-bf16-b64]
+    python scripts/bench/bench_selfdistill.py                             # the cases in conf/bench_selfdistill.yaml
+    python scripts/bench/bench_selfdistill.py num_prompts=32 cases=[hf-fp32-b16,batched-bf16-b64]
 
 A case listed in `processes` runs under `accelerate launch` with that many CPU processes
 (conf/accelerate/cpu-2proc.yaml, ACCELERATE_USE_CPU=1), the `threads` split between them; its

@@ -1,6 +1,6 @@
-"""EAGLE-3 against P-EAGLE, each with and without the LK loss: the table of scripts/compare_peagle.sh.
+"""EAGLE-3 against P-EAGLE, each with and without the LK loss: the table of experiment=compare-peagle.
 
-    python scripts/peagle_summary.py cmp_dir=outputs/peagle-cmp
+    python scripts/bench/peagle_summary.py cmp_dir=outputs/peagle-cmp
 
 Reads what the recipe wrote under cmp_dir: the comparison (compare/compare.json and each cell's
 results.json: tau, the drafter's and the verifier's mean milliseconds per step, nodes per step,
@@ -26,8 +26,8 @@ def read_json(cmp_dir: str, name: str, what: str) -> dict:
     """cmp_dir/name, which the recipe wrote; missing: one line naming it and the command that writes it."""
     path = Path(cmp_dir) / name
     if not path.is_file():
-        raise DraftsmithError(f"cmp_dir={cmp_dir}: no {name} ({what}); run bash scripts/compare_peagle.sh "
-                              f"(OUT={cmp_dir}) first")
+        raise DraftsmithError(f"cmp_dir={cmp_dir}: no {name} ({what}); run python scripts/experiment.py "
+                              f"experiment=compare-peagle out={cmp_dir} first")
     return json.loads(path.read_text())
 
 
@@ -49,7 +49,7 @@ def cells(cfg: DictConfig, compare: dict) -> list[dict]:
                                                  for d in datasets or [None])]
     if missing:
         raise DraftsmithError(f"cmp_dir={cfg.cmp_dir}: compare/compare.json has no greedy cells of {missing} on "
-                              f"datasets {datasets}; rerun the comparison step of bash scripts/compare_peagle.sh")
+                              f"datasets {datasets}; rerun step compare of experiment=compare-peagle")
     return out
 
 
@@ -111,10 +111,10 @@ def markdown(rows: list[dict], checks: list[dict], curves: dict, compare: dict) 
 
 
 def run(cfg: DictConfig) -> dict:
-    compare = read_json(cfg.cmp_dir, "compare/compare.json", "scripts/compare.py's output")
+    compare = read_json(cfg.cmp_dir, "compare/compare.json", "scripts/bench/compare.py's output")
     rows = cells(cfg, compare)
     checks = targets(cfg, rows)
-    curves = read_json(cfg.cmp_dir, "curves/learning_curve.json", "scripts/learning_curve.py's output")
+    curves = read_json(cfg.cmp_dir, "curves/learning_curve.json", "scripts/bench/learning_curve.py's output")
     table = markdown(rows, checks, curves, compare)
     out = Path(cfg.cmp_dir)
     write_atomic_text(out / "peagle.md", table + "\n")

@@ -1,8 +1,8 @@
 """The README's results table and its plot, from the JSON of the comparisons that measured them.
 
-    python scripts/plot_results.py
+    python scripts/bench/plot_results.py
 
-Each entry of `rows` (conf/plot_results.yaml) names a scripts/compare.py output (its compare.json),
+Each entry of `rows` (conf/plot_results.yaml) names a scripts/bench/compare.py output (its compare.json),
 a method in it, and the machine and date it ran on. The row's tau and in-cell speedup (against plain
 decoding interleaved in the same cell) are read from that file, on `dataset` at `temperature`.
 Writes `output` (a PNG: tau and speedup per row) and prints the markdown table README.md shows
@@ -40,7 +40,7 @@ def measured(cfg: DictConfig) -> list[dict]:
         path = Path(str(row.file))
         if not path.is_file():
             raise DraftsmithError(f"rows.{i}.file={row.file}: no such file; give the compare.json of a "
-                                  f"scripts/compare.py run")
+                                  f"scripts/bench/compare.py run")
         report = json.loads(path.read_text())
         if verifier_of(report.get("settings", {})) != want:
             name, dtype = verifier_of(report.get("settings", {}))

@@ -1,7 +1,7 @@
 """Choose a decode preset's tree / draft budget for THIS machine, from measured tokens/s.
 
-    python scripts/tune_decode.py drafter=outputs/eagle3-smollm2-135m/final      # EAGLE-3, eagle-dynamic grid
-    python scripts/tune_decode.py method=draft drafter=outputs/draft-smollm2-135m/final decode=draft-chain \
+    python scripts/bench/tune_decode.py drafter=outputs/eagle3-smollm2-135m/final      # EAGLE-3, eagle-dynamic grid
+    python scripts/bench/tune_decode.py method=draft drafter=outputs/draft-smollm2-135m/final decode=draft-chain \
         grid='[{num_tokens: [2, 4, 6]}]'
 
 EAGLE-2 fixes its draft-tree budget (total_tokens) for the GPU it runs on; the right budget on
@@ -137,7 +137,7 @@ def run(cfg: DictConfig) -> dict:
               "load_avg_1m_before": load_before,
               "load_avg_1m_after": os.getloadavg()[0], "rows": rows, "best": best}
     write_atomic_text(out_dir / "tune_decode.json", json.dumps(report, indent=2))
-    write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # for shell scripts: scripts/compare_all.sh
+    write_atomic_text(out_dir / "best.txt", best["overrides"] + "\n")  # compare.py tuned.<method>= reads it
     table = markdown(report)
     write_atomic_text(out_dir / "tune_decode.md", table + "\n")
     plot(report, out_dir)

@@ -1,8 +1,8 @@
 """Training benchmark: tokens/s and peak RSS of Medusa-1, online vs offline features, 1 vs 2
 processes, and the time to reach a simulated acceptance length, measured in one run.
 
-    python scripts/bench_train.py                                   # SmolLM2, self-distilled data
-    python scripts/bench_train.py steps=60 target_tau=1.4 cases=[online,offline]
+    python scripts/bench/bench_train.py                                   # SmolLM2, self-distilled data
+    python scripts/bench/bench_train.py steps=60 target_tau=1.4 cases=[online,offline]
 
 Each case is a real `train/medusa.py` run in a subprocess; 2-process cases go through
 `accelerate launch --config_file conf/accelerate/cpu-2proc*.yaml` (DDP, DeepSpeed ZeRO-2/3).
@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from draftsmith.models.entry import launch, model_overrides, run_measured
 from draftsmith.models.errors import choose
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_metrics(out: Path) -> dict[str, list[tuple[int, float]]]:

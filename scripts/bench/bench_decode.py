@@ -1,7 +1,7 @@
 """Decoding benchmark: verify cost T(k), tau, wall speedup, the cost-model ceiling, efficiency.
 
-    python scripts/bench_decode.py drafter=outputs/medusa-smollm2-135m/final
-    python scripts/bench_decode.py drafter=... dtypes=[float32] data.num_prompts=16 decode=chain4
+    python scripts/bench/bench_decode.py drafter=outputs/medusa-smollm2-135m/final
+    python scripts/bench/bench_decode.py drafter=... dtypes=[float32] data.num_prompts=16 decode=chain4
 
 For each dtype in `dtypes`, in one process on the same prompts:
   1. T(k): the verifier's forward over k new tokens on top of a `cache_len`-token KV cache

