@@ -56,7 +56,7 @@ def decode_tau(cfg: DictConfig, name: str, snap: Path, out: Path) -> dict:
 
 def snapshot_config(cfg: DictConfig, name: str, snap: Path, out: Path) -> DictConfig:
     """The evaluate config that decodes one snapshot: this run's `model` node (model.dtype too)."""
-    return evaluate_config([*str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"data={cfg.dataset}",
+    return evaluate_config([f"hw={cfg.hw.name}", *str(choose(cfg.decode, name, "decode")).split(), f"drafter={snap}", f"data={cfg.dataset}",
                             f"data.num_prompts={cfg.num_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                             "temperature=0.0", "hf.enabled=false", f"device={resolve_device(cfg.device)}",
                             f"threads={cfg.threads or 'null'}", f"output_dir={out}"], model=cfg.model)

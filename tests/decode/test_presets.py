@@ -108,3 +108,20 @@ def test_a_gpu_sized_tree_on_a_cpu_says_how_to_size_it(capsys):
                               (["decode=eagle-chain"], "cpu")):
         hint_hw(compose_config("evaluate", overrides), device)
         assert capsys.readouterr().out == ""
+
+
+def test_the_comparisons_pass_hw_to_every_decoding_run(tmp_path):
+    """compare.py's cells and learning_curve.py's snapshots decode with the comparison's hw; a
+    method's own hw= still wins."""
+    from scripts.bench.compare import cell_config
+    from scripts.bench.learning_curve import snapshot_config
+
+    for hw, nodes in (("cpu", 8), ("gpu", 60)):
+        cfg = compose_config("compare", [f"hw={hw}"])
+        cell = cell_config(cfg, list(cfg.methods.eagle3), "mtbench", 0.0, tmp_path, hf=False)
+        assert (cell.hw.name, cell.decode.name, cell.decode.total_tokens) == (hw, "eagle-dynamic", nodes)
+        curve = compose_config("learning_curve", [f"hw={hw}"])
+        snap = snapshot_config(curve, "eagle3", tmp_path / "snap", tmp_path / "out")
+        assert (snap.hw.name, snap.decode.total_tokens) == (hw, nodes)
+    cfg = compose_config("compare", ["hw=cpu"])
+    assert cell_config(cfg, [*cfg.methods.eagle3, "hw=gpu"], "mtbench", 0.0, tmp_path, hf=False).decode.total_tokens == 60
