@@ -4,6 +4,8 @@
 - sampling: ``exact_law`` enumerates the verifier's own law of the first 3 tokens over a V = 8
   vocabulary (``law_model``), ``engine_counts`` samples the engine, and ``law_test`` /
   ``tv_bound`` judge the counts (chi-square and a TV bound scaled to the sample size);
+  ``smoke_counts`` is the short run of the same engine path for the cases whose law the enumeration
+  of test_sampling_exact.py and one full Monte Carlo case per proposer file already prove;
   ``pit_values`` turns longer sampled rows into uniforms (probability-integral transform);
 - teeth: ``residual_from_p_walk`` is an acceptance rule broken on purpose, and the recorders
   prove which paths and trees a test really exercised.
@@ -84,7 +86,24 @@ def engine_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.
     for _ in range(n):
         a, b, c = generate(model, LAW_PROMPT, proposer=proposer, max_new_tokens=3, temperature=temperature,
                            top_k=top_k, top_p=top_p, generator=g, eos_token_id=()).tokens
+        assert 0 <= min(a, b, c) and max(a, b, c) < V, (a, b, c)  # valid tokens (an index past V would alias)
         counts[(a * V + b) * V + c] += 1
+    return counts
+
+
+SMOKE_SAMPLES = 48  # a smoke run: seconds, not tens of seconds
+
+
+def smoke_counts(model, proposer, temperature, top_k, top_p, n: int = SMOKE_SAMPLES, seed: int = 1) -> torch.Tensor:
+    """A smoke run of the law test: n seeded engine generations through the same proposer and
+    settings, asserting what n samples prove exactly: valid tokens (engine_counts), and no sampled
+    sequence that the verifier's exact law gives probability 0 (law_test's impossible mass). The
+    law itself is proven by the enumeration of test_sampling_exact.py and by the one full Monte
+    Carlo case of each proposer file; the caller asserts the code paths its case exists for."""
+    law = exact_law(model, temperature, top_k, top_p)
+    counts = engine_counts(model, proposer, n, temperature, top_k, top_p, seed)
+    impossible = float(counts[law == 0].sum() / n)
+    assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     return counts
 
 

@@ -12,7 +12,8 @@ from draftsmith.decode.proposers import make_proposer
 from draftsmith.models.verifier import resolve_device
 from tests.conftest import tiny_model_overrides
 from tests.drafters import fitted_heads, random_heads
-from tests.laws import LAW_PROMPT, V, exact_law, law_model, law_test, prompt, reference, tree_paths, tv_bound
+from tests.laws import (LAW_PROMPT, SMOKE_SAMPLES, V, exact_law, law_model, law_test, prompt, reference, tree_paths,
+                        tv_bound)
 from tests.hub import compose_config
 from tests.tiny import save_tiny_medusa, tiny_llama
 
@@ -42,8 +43,12 @@ def test_greedy_identity_on_the_device(fitted, method):
 
 def test_sampling_law_on_the_device():
     """The tree-T0.7-topp0.9 case of test_engine.test_sampling_law, sampled on the device with a
-    generator of that device: the float64 law of the first 3 tokens, chi-square and a TV bound."""
-    samples = 4_000
+    generator of that device: on a GPU the float64 law of the first 3 tokens, chi-square and a TV
+    bound; on the CPU, where test_engine.test_sampling_law is this very case in full (and the
+    enumeration in test_sampling_exact.py proves the rule), a smoke run of the device plumbing:
+    valid tokens, and nothing sampled that the verifier's law gives probability 0."""
+    full = DEVICE.type != "cpu"
+    samples = 4_000 if full else SMOKE_SAMPLES
     model = law_model(10.0).to(DEVICE)
     law = exact_law(model, 0.7, 0, 0.9).cpu()
     proposer = make_proposer("medusa", heads=random_heads(model).to(DEVICE), paths=tree_paths("medusa-small"))
@@ -52,10 +57,12 @@ def test_sampling_law_on_the_device():
     for _ in range(samples):
         a, b, c = generate(model, LAW_PROMPT.to(DEVICE), proposer=proposer, max_new_tokens=3, temperature=0.7,
                            top_p=0.9, generator=g, eos_token_id=()).tokens
+        assert 0 <= min(a, b, c) and max(a, b, c) < V, (a, b, c)
         counts[(a * V + b) * V + c] += 1
-    pvalue, tv, impossible = law_test(counts, law)
-    assert impossible == 0.0
-    assert pvalue > 1e-3 and tv < tv_bound(law, samples), (pvalue, tv)
+    assert float(counts[law == 0].sum()) == 0.0, "sampled a sequence the verifier's law gives probability 0"
+    if full:
+        pvalue, tv, _ = law_test(counts, law)
+        assert pvalue > 1e-3 and tv < tv_bound(law, samples), (pvalue, tv)
 
 
 def test_the_cpu_law_helpers_agree_with_the_device():

@@ -27,7 +27,7 @@ from tests.drafters import PEAGLE_MASK as MASK
 from tests.drafters import fitted_drafter, fitted_peagle
 from tests.decode.rows import Alternating
 from tests.laws import (RecordingProposer, RecordingRule, V, engine_counts, exact_law, law_model, law_test,
-                        prompt, reference, residual_from_p_walk, tree_paths, tv_bound)
+                        prompt, reference, residual_from_p_walk, smoke_counts, tree_paths, tv_bound)
 from tests.tiny import tiny_llama
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -245,24 +245,56 @@ def law_proposer(model, tree_kwargs, seed: int = 0):
                          embed_tokens=model.get_input_embeddings(), lm_head=model.lm_head, **tree_kwargs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(LAW_CASES))
-def test_sampling_law(case, monkeypatch):
-    tree_kwargs, scale, temperature, top_k, top_p = LAW_CASES[case]
+# the one full Monte Carlo case: the dynamic tree from one parallel drafter forward (the broken rule
+# below fails on it); the others are smoke runs of the same engine path
+FULL_CASE = "dynamic-T1"
+
+
+def law_setup(case, monkeypatch):
+    """(model, proposer, recorder of the accepted paths)."""
+    tree_kwargs, scale, _, _, _ = LAW_CASES[case]
     model = law_model(scale)
-    law = exact_law(model, temperature, top_k, top_p)
     recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
-    counts = engine_counts(model, law_proposer(model, tree_kwargs), LAW_SAMPLES, temperature, top_k, top_p, seed=1)
+    return model, law_proposer(model, tree_kwargs), recorder
+
+
+def assert_paths_exercised(case, recorder, deepest: int = 2) -> None:
+    """Rejection, multi-token acceptance (`deepest` drafted tokens in one step) and (in trees) a
+    non-first sibling accepted."""
+    depths = [len(p) - 1 for p in recorder.paths]
+    assert min(depths) == 0 and max(depths) >= deepest
+    if not case.startswith("chain"):
+        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+
+
+@pytest.mark.slow
+def test_sampling_law(monkeypatch):
+    """The full Monte Carlo law of the dynamic tree: chi-square and a TV bound scaled to the samples."""
+    _, _, temperature, top_k, top_p = LAW_CASES[FULL_CASE]
+    model, proposer, recorder = law_setup(FULL_CASE, monkeypatch)
+    law = exact_law(model, temperature, top_k, top_p)
+    counts = engine_counts(model, proposer, LAW_SAMPLES, temperature, top_k, top_p, seed=1)
     pvalue, tv, impossible = law_test(counts, law)
     assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
     assert pvalue > 1e-3, (pvalue, tv)
     bound = tv_bound(law, LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
-    depths = [len(p) - 1 for p in recorder.paths]
-    assert min(depths) == 0 and max(depths) >= 2
-    if not case.startswith("chain"):
-        assert any(len(p) > 1 and p[1] != 1 for p in recorder.paths)
+    assert_paths_exercised(FULL_CASE, recorder)
+
+
+@pytest.mark.parametrize("case", [c for c in LAW_CASES if c != FULL_CASE])
+def test_sampling_smoke(case, monkeypatch):
+    """A smoke run of the other cases (laws.smoke_counts): the exact law of the tree rejection walk
+    is proven by the enumeration in test_sampling_exact.py and by the full Monte Carlo case above;
+    here the same proposer and settings sample nothing the verifier's law forbids, through the
+    code paths the case exists for."""
+    _, _, temperature, top_k, top_p = LAW_CASES[case]
+    model, proposer, recorder = law_setup(case, monkeypatch)
+    smoke_counts(model, proposer, temperature, top_k, top_p)
+    # two drafted tokens accepted in one step of the chain is rare (none in 200 generations on seeds
+    # 1-3): the smoke run asserts one; the full case asserts two
+    assert_paths_exercised(case, recorder, deepest=1 if case.startswith("chain") else 2)
 
 
 @pytest.mark.slow

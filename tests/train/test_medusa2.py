@@ -153,6 +153,7 @@ def test_warm_start_from_medusa1_heads(tiny_model_dir, tmp_path):
                  "method.num_heads=3"))
 
 
+@pytest.mark.slow
 def test_sampling_law_against_the_tuned_verifier():
     """The decoder's law at T > 0 is the TUNED verifier's (exact, enumerated), not the original's."""
     tree, scale, temperature, top_k, top_p = "medusa-small", 10.0, 0.7, 0, 0.9
