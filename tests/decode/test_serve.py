@@ -359,10 +359,8 @@ def test_exposure_warning_only_beyond_loopback_without_a_key():
 def test_start_warns_in_one_line_beyond_loopback_without_a_key(tiny_model_dir, drafter, monkeypatch, capsys):
     """run(cfg) up to uvicorn (not started here: nothing binds 0.0.0.0 in a test): one warning line
     on stderr without a key, none with one; the start line says who may call."""
-    import uvicorn
-
     monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: None)
+    monkeypatch.setattr(serve, "serve_forever", lambda engine, app, cfg: None)
     serve.run(serve_cfg(tiny_model_dir, drafter, "host=0.0.0.0"))
     out, err = capsys.readouterr()
     assert [line for line in err.splitlines() if "warning" in line] == [serve.exposure_warning("0.0.0.0", 8000, None)]
@@ -402,6 +400,21 @@ def test_serve_entry_never_logs_the_key(tiny_model_dir):
     assert codes == [401, 401, 200], output
     assert "API key required (except /health)" in output and "POST /v1/completions" in output  # the access log ran
     assert key not in output
+
+
+def test_the_script_steps_the_engine_in_the_main_thread_and_a_port_taken_ends_it_in_one_line(tiny_model_dir, drafter):
+    """serve_forever: the engine loop runs in the calling (main) thread, uvicorn in a thread; when
+    uvicorn cannot bind its port the loop ends and the run stops in one line naming the port."""
+    import socket
+
+    cfg = serve_cfg(tiny_model_dir, drafter, f"port={free_port()}")
+    engine = serve.Server(cfg, thread=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(cfg.port)))
+        taken.listen()
+        with pytest.raises(DraftsmithError, match=rf"^the HTTP server did not start on 127.0.0.1:{cfg.port} "):
+            serve.serve_forever(engine, make_app(engine, cfg), cfg)
+    assert engine.stopping.is_set() and threading.current_thread() is threading.main_thread()
 
 
 @pytest.mark.parametrize("config, method", [("serve", ["method=vanilla"]),
