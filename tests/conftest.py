@@ -14,17 +14,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: one core per worker,
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The files holding the most `slow` tests run first: `--dist loadfile` hands whole files to the
-    two workers in this order, so the long ones start at once instead of leaving one worker alone
-    on a long file at the end. Within a file the order stays as written."""
-    slow: dict[str, int] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

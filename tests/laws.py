@@ -91,6 +91,18 @@ def engine_counts(model, proposer, n, temperature, top_k, top_p, seed) -> torch.
     return counts
 
 
+def assert_engine_law(model, proposer, n, temperature, top_k, top_p, seed: int = 1) -> tuple[float, float]:
+    """The full Monte Carlo law test: n seeded engine generations follow the verifier's exact law
+    (nothing on a law-0 sequence, chi-square p > 1e-3, TV under tv_bound(law, n)). -> (p, TV)."""
+    law = exact_law(model, temperature, top_k, top_p)
+    pvalue, tv, impossible = law_test(engine_counts(model, proposer, n, temperature, top_k, top_p, seed), law)
+    assert impossible == 0.0, "sampled a sequence the verifier's law gives probability 0"
+    bound = tv_bound(law, n)
+    assert pvalue > 1e-3, (pvalue, tv, bound)
+    assert tv < bound, (pvalue, tv, bound)
+    return pvalue, tv
+
+
 SMOKE_SAMPLES = 48  # a smoke run: seconds, not tens of seconds
 
 
