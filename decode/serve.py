@@ -741,7 +741,6 @@ def make_app(engine: "Server", cfg: DictConfig):
 
 
 def run(cfg: DictConfig) -> dict:
-
     key = resolve_api_key(cfg)  # a bad key setting: refused before the verifier loads
     warning = exposure_warning(cfg.host, cfg.port, key)
     if warning:
