@@ -58,7 +58,9 @@ def decode_preset(decode, drafter, hw: str = "gpu"):
     DEFAULT_DECODE of its proposer, a Medusa tree cut to the drafter's number of heads."""
     if not isinstance(decode, str):
         return OmegaConf.create(OmegaConf.to_container(decode, resolve=True) if OmegaConf.is_config(decode) else decode)
-    preset = load_preset(preset_path(DEFAULT_DECODE[proposer_name(drafter)] if decode == "auto" else decode).stem, hw)
+    name = DEFAULT_DECODE[proposer_name(drafter)] if decode == "auto" else decode
+    preset_path(name)  # a name that is no preset: refused as probe.decode, in one line
+    preset = load_preset(name, hw)
     if decode == "auto" and drafter.kind == "medusa":
         kept = [p for p in preset.paths if len(p) <= drafter.config.num_heads]
         if len(kept) < len(preset.paths):

@@ -119,6 +119,19 @@ def smoke_counts(model, proposer, temperature, top_k, top_p, n: int = SMOKE_SAMP
     return counts
 
 
+def sample_case(cases: dict, case: str, setup, monkeypatch, samples: int | None = None):
+    """One case of a proposer file's law tests, whose cases end in (temperature, top_k, top_p):
+    the full Monte Carlo law with `samples` (assert_engine_law), or a smoke run (smoke_counts).
+    -> the recorder of the accepted paths that `setup(case, monkeypatch)` returned."""
+    *_, temperature, top_k, top_p = cases[case]
+    model, proposer, recorder = setup(case, monkeypatch)
+    if samples:
+        assert_engine_law(model, proposer, samples, temperature, top_k, top_p)
+    else:
+        smoke_counts(model, proposer, temperature, top_k, top_p)
+    return recorder
+
+
 def tv_bound(law: torch.Tensor, n: int, reps: int = 200, q: float = 0.99, margin: float = 1.25) -> float:
     """The TV distance that n exact draws from `law` stay below: `margin` times the q-quantile of
     the TV distance between n exact draws and the law, over `reps` simulated samples."""

@@ -16,8 +16,8 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.proposers import PROPOSERS, make_proposer
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from tests.drafters import fitted_heads, random_heads
-from tests.laws import (assert_engine_law, RecordingRule, children, engine_counts, exact_law, law_model, law_test, prompt, reference,
-                        residual_from_p_walk, smoke_counts, tree_paths)
+from tests.laws import (sample_case, RecordingRule, children, engine_counts, exact_law, law_model, law_test, prompt, reference,
+                        residual_from_p_walk, tree_paths)
 from tests.tiny import tiny_llama
 
 TREES = ["chain4", "medusa-small", "medusa-default"]
@@ -178,18 +178,13 @@ def assert_paths_exercised(case, recorder) -> None:
 @pytest.mark.slow
 def test_sampling_law(monkeypatch):
     """The full Monte Carlo law of the tree case: chi-square and a TV bound scaled to the samples."""
-    _, _, temperature, top_k, top_p = LAW_CASES[FULL_CASE]
-    model, proposer, recorder = law_setup(FULL_CASE, monkeypatch)
-    assert_engine_law(model, proposer, LAW_SAMPLES, temperature, top_k, top_p)
-    assert_paths_exercised(FULL_CASE, recorder)
+    assert_paths_exercised(FULL_CASE, sample_case(LAW_CASES, FULL_CASE, law_setup, monkeypatch, LAW_SAMPLES))
 
 
 @pytest.mark.parametrize("case", [c for c in LAW_CASES if c != FULL_CASE])
 def test_sampling_smoke(case, monkeypatch):
     """The other cases as smoke runs (laws.smoke_counts says what that proves and what proves the law)."""
-    _, _, temperature, top_k, top_p = LAW_CASES[case]
-    model, proposer, recorder = law_setup(case, monkeypatch)
-    smoke_counts(model, proposer, temperature, top_k, top_p)
+    recorder = sample_case(LAW_CASES, case, law_setup, monkeypatch)
     assert_paths_exercised(case, recorder)
 
 

@@ -16,7 +16,7 @@ from draftsmith.decode.engine import generate
 from draftsmith.decode.lookup import LookaheadProposer, PromptLookupProposer, build_trie, ngram_continuations
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
-from tests.laws import RecordingRule, assert_engine_law, law_model, prompt, reference, smoke_counts
+from tests.laws import sample_case, RecordingRule, law_model, prompt, reference
 from tests.tiny import tiny_llama
 
 
@@ -193,18 +193,13 @@ def assert_paths_exercised(case, recorder, deepest: int = 2) -> None:
 @pytest.mark.slow
 def test_sampling_law(monkeypatch):
     """The full Monte Carlo law of lookahead decoding: chi-square and a TV bound scaled to the samples."""
-    _, _, temperature, top_k, top_p = LAW_CASES[FULL_CASE]
-    model, proposer, recorder = law_setup(FULL_CASE, monkeypatch)
-    assert_engine_law(model, proposer, LOOKUP_LAW_SAMPLES, temperature, top_k, top_p)
-    assert_paths_exercised(FULL_CASE, recorder)
+    assert_paths_exercised(FULL_CASE, sample_case(LAW_CASES, FULL_CASE, law_setup, monkeypatch, LOOKUP_LAW_SAMPLES))
 
 
 @pytest.mark.parametrize("case", [c for c in LAW_CASES if c != FULL_CASE])
 def test_sampling_smoke(case, monkeypatch):
     """The other cases as smoke runs (laws.smoke_counts says what that proves and what proves the law)."""
-    _, _, temperature, top_k, top_p = LAW_CASES[case]
-    model, proposer, recorder = law_setup(case, monkeypatch)
-    smoke_counts(model, proposer, temperature, top_k, top_p)
+    recorder = sample_case(LAW_CASES, case, law_setup, monkeypatch)
     # two prompt-lookup tokens accepted in one step is rare (once in 600 generations on seeds 1-3):
     # the smoke run asserts one; the full case asserts two
     assert_paths_exercised(case, recorder, deepest=1)

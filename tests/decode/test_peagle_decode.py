@@ -26,8 +26,8 @@ from tests.drafters import PEAGLE_K as K
 from tests.drafters import PEAGLE_MASK as MASK
 from tests.drafters import fitted_drafter, fitted_peagle
 from tests.decode.rows import Alternating
-from tests.laws import (assert_engine_law, RecordingProposer, RecordingRule, V, engine_counts, exact_law, law_model, law_test,
-                        prompt, reference, residual_from_p_walk, smoke_counts, tree_paths)
+from tests.laws import (sample_case, RecordingProposer, RecordingRule, V, engine_counts, exact_law, law_model, law_test,
+                        prompt, reference, residual_from_p_walk, tree_paths)
 from tests.tiny import tiny_llama
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -271,18 +271,13 @@ def assert_paths_exercised(case, recorder, deepest: int = 2) -> None:
 @pytest.mark.slow
 def test_sampling_law(monkeypatch):
     """The full Monte Carlo law of the dynamic tree: chi-square and a TV bound scaled to the samples."""
-    _, _, temperature, top_k, top_p = LAW_CASES[FULL_CASE]
-    model, proposer, recorder = law_setup(FULL_CASE, monkeypatch)
-    assert_engine_law(model, proposer, LAW_SAMPLES, temperature, top_k, top_p)
-    assert_paths_exercised(FULL_CASE, recorder)
+    assert_paths_exercised(FULL_CASE, sample_case(LAW_CASES, FULL_CASE, law_setup, monkeypatch, LAW_SAMPLES))
 
 
 @pytest.mark.parametrize("case", [c for c in LAW_CASES if c != FULL_CASE])
 def test_sampling_smoke(case, monkeypatch):
     """The other cases as smoke runs (laws.smoke_counts says what that proves and what proves the law)."""
-    _, _, temperature, top_k, top_p = LAW_CASES[case]
-    model, proposer, recorder = law_setup(case, monkeypatch)
-    smoke_counts(model, proposer, temperature, top_k, top_p)
+    recorder = sample_case(LAW_CASES, case, law_setup, monkeypatch)
     # two drafted tokens accepted in one step of the chain is rare (none in 200 generations on seeds
     # 1-3): the smoke run asserts one; the full case asserts two
     assert_paths_exercised(case, recorder, deepest=1 if case.startswith("chain") else 2)
