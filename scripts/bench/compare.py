@@ -54,7 +54,8 @@ def cell_config(cfg: DictConfig, overrides: list[str], dataset: str, temperature
                             f"temperature={temperature}", f"hf.enabled={str(hf).lower()}",
                             f"hf.assistant={cfg.assistant if hf and cfg.assistant else 'null'}",
                             f"device={resolve_device(cfg.device)}",  # auto resolved: a reused cell ran on this device
-                            f"threads={cfg.threads or 'null'}", f"hw={cfg.hw.name}", f"output_dir={out}", *overrides], model=model)
+                            f"threads={cfg.threads or 'null'}", f"hw={cfg.hw.name}", f"output_dir={out}", *overrides],
+                           model=model)
 
 
 def run_cell(cell: DictConfig, out: Path, rerun: bool) -> dict:
