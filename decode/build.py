@@ -2,8 +2,8 @@
 into the proposer the engine drives (decode/proposers.py holds the protocol and the registry of
 proposer classes, make_proposer).
 
-    kind = check_drafter(cfg)                            # method.proposer, refused before the verifier loads
-    proposer, meta = build_proposer(cfg, verifier)       # the method's proposer (None: plain decoding)
+    kind = check_drafter(cfg)                            # proposer.kind, refused before the verifier loads
+    proposer, meta = build_proposer(cfg, verifier)       # the proposer (None: plain decoding)
     proposer = proposer_for(drafter, verifier, preset)   # a loaded drafter (models.checkpoint.load_drafter)
     preset = load_preset("eagle-dynamic", hw="cpu")      # a preset by name, as the entry scripts compose it
 
@@ -42,26 +42,26 @@ def load_preset(name: str, hw: str = "gpu", key: str = "decode"):
 
 
 def check_drafter(cfg) -> str:
-    """The method's proposer kind; a method that needs a trained drafter without its folder is
+    """The proposer's kind (conf/proposer/); one that needs a trained drafter without its folder is
     refused here, before the verifier loads (load_drafter checks the folder's contents)."""
-    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.method.proposer, "method.proposer")
+    kind = choose(dict(zip(PROPOSERS, PROPOSERS)), cfg.proposer.kind, "proposer.kind")
     if kind == "vanilla" or kind in DRAFT_FREE:
         # a drafter the caller named would be ignored: refused. A config's own default drafter
         # (evaluate.yaml's outputs/medusa-${model.name}/final) is an interpolation, no request.
         if cfg.drafter is not None and not OmegaConf.is_interpolation(cfg, "drafter"):
-            raise DraftsmithError(f"drafter={cfg.drafter} would be ignored: method={cfg.method.name} decodes "
-                                  f"without a trained drafter; drop drafter=, or pick the method that decodes "
-                                  f"with it (method=medusa, eagle or draft)")
+            raise DraftsmithError(f"drafter={cfg.drafter} would be ignored: proposer={cfg.proposer.name} decodes "
+                                  f"without a trained drafter; drop drafter=, or pick the proposer that decodes "
+                                  f"with it (proposer=medusa, eagle or draft)")
         return kind
     if not cfg.drafter:
-        raise DraftsmithError(f"method={cfg.method.name} needs a trained drafter: pass drafter=<checkpoint dir> "
+        raise DraftsmithError(f"proposer={cfg.proposer.name} needs a trained drafter: pass drafter=<checkpoint dir> "
                               f"(draftsmith's, or a public EAGLE / Medusa / HF draft folder)")
     drafter_dir(cfg.drafter)
     return kind
 
 
 def build_proposer(cfg, verifier):
-    """The method's proposer (None = plain decoding) and the drafter's metadata."""
+    """The proposer (None = plain decoding) and the drafter's metadata."""
     kind = check_drafter(cfg)
     if kind == "vanilla":
         return None, {}
@@ -74,7 +74,7 @@ def build_proposer(cfg, verifier):
                            verifier_num_layers=verifier.config.num_hidden_layers, dtype=verifier.model.dtype)
     if drafter.kind != kind:
         raise DraftsmithError(f"drafter={cfg.drafter} is a {drafter.kind!r} checkpoint; "
-                              f"method={cfg.method.name} needs {kind}")
+                              f"proposer={cfg.proposer.name} needs {kind}")
     return proposer_for(drafter, verifier, cfg.decode, seed=cfg.seed), drafter.meta
 
 
@@ -97,7 +97,7 @@ def build_draft_free(cfg, verifier, kind: str):
     """Proposers configured entirely by their decode preset."""
     d = cfg.decode
     if d.get("proposer") != kind:
-        raise DraftsmithError(f"method={cfg.method.name} needs a {kind} decode preset and decode={d.name} is not "
+        raise DraftsmithError(f"proposer={cfg.proposer.name} needs a {kind} decode preset and decode={d.name} is not "
                               f"one: pass decode={DECODE_PRESETS[kind]}")
     device = verifier.model.device
     if kind == "prompt_lookup":
@@ -123,7 +123,7 @@ def eagle_tree(decode_cfg) -> dict:
 
 def _medusa_from(drafter, verifier, d, seed):
     if "paths" not in d:
-        raise DraftsmithError(f"decode={d.name} is a dynamic tree (EAGLE-2 only); method=medusa needs "
+        raise DraftsmithError(f"decode={d.name} is a dynamic tree (EAGLE-2 only); proposer=medusa needs "
                               f"a static tree such as decode=medusa-small")
     if d.get("draft_quant", "none") != "none":  # an eagle-* preset's key: refused, not ignored
         raise DraftsmithError(f"decode.draft_quant={d.draft_quant}: int8 drafting is for EAGLE drafters and draft "

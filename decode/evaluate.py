@@ -2,7 +2,7 @@
 
     python decode/evaluate.py drafter=outputs/medusa-smollm2-135m/final            # MT-bench, greedy
     python decode/evaluate.py drafter=... data=humaneval temperature=0.7 num_samples=4
-    python decode/evaluate.py method=vanilla data=chat-jsonl data.path=prompts.jsonl
+    python decode/evaluate.py proposer=vanilla data=chat-jsonl data.path=prompts.jsonl
 
 Every prompt runs with the chosen method AND with plain decoding through the same engine,
 interleaved (decode/harness.py: the order rotates per prompt), with the same seeds; HF `generate` (plain,
@@ -136,7 +136,7 @@ def evaluate_config(overrides: list[str], model: DictConfig | None = None) -> Di
 def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    acceptance = cfg.method.get("acceptance", "auto")
+    acceptance = cfg.acceptance
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     sampling.resolve_rule(acceptance, params)  # refuse before any work
     device = resolve_device(cfg.device)
@@ -161,7 +161,7 @@ def run(cfg: DictConfig) -> dict:
                               f"and the graft would not run; set decode.lookup_tokens=0 decode.datastore=null "
                               f"or temperature=0")
     lossy = acceptance == "typical"
-    method = cfg.method.name + (" (LOSSY typical acceptance)" if lossy else "")
+    method = cfg.proposer.name + (" (LOSSY typical acceptance)" if lossy else "")
     prompts = load_prompts(cfg.data)
     runs = {"vanilla": None, method: proposer} if proposer is not None else {"vanilla": None}
     max_depth = proposer.max_depth if proposer is not None else 0

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over the lossless speculative decoder.
 
-    python decode/serve.py drafter=outputs/medusa-smollm2-135m/final method=medusa decode=medusa-cpu
-    python decode/serve.py method=vanilla                                   # the plain baseline
+    python decode/serve.py drafter=outputs/medusa-smollm2-135m/final proposer=medusa decode=medusa-cpu
+    python decode/serve.py proposer=vanilla                                 # the plain baseline
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
@@ -352,10 +352,10 @@ def serve_forever(engine: Server, app, cfg: DictConfig) -> None:
 
 
 def serving_rule(cfg: DictConfig, temperature: float) -> str:
-    """The acceptance rule of a request: greedy at temperature 0; above, method.acceptance, whose
+    """The acceptance rule of a request: greedy at temperature 0; above, cfg.acceptance, whose
     `auto` here is coupled sampling (decode/sampling.py: the tokens of plain sampling with the
     request's seed, whatever the drafts and the batch: a seeded request is reproducible)."""
-    acceptance = cfg.method.get("acceptance", "auto")
+    acceptance = cfg.acceptance
     if temperature == 0:
         return "auto"
     return "coupled" if acceptance == "auto" else acceptance
@@ -749,8 +749,8 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     engine = Server(cfg, thread=False)
     app = make_app(engine, cfg)
-    drafter = f"{cfg.method.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
-        else "no drafter (method=vanilla: plain decoding)"
+    drafter = f"{cfg.proposer.name} drafter {cfg.drafter} (decode={cfg.decode.name})" if engine.proposer is not None \
+        else "no drafter (proposer=vanilla: plain decoding)"
     print(f"draftsmith serve: http://{cfg.host}:{cfg.port}/v1  model {engine.name!r} = verifier "
           f"{engine.verifier.name} [{engine.verifier.fingerprint}] in {engine.model.dtype} on {engine.model.device}; "
           f"{drafter}; "

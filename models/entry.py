@@ -89,11 +89,16 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
         return "=" in a and ("@" in key or (CONF_DIR / key).is_dir()) and not a.startswith(("+", "~"))
 
     sweep = any(a in ("-m", "--multirun") or a.startswith("hydra.searchpath") for a in argv)
+    groups = None  # the groups of the config's defaults list, composed once when needed
     for a in [] if sweep else filter(is_choice, args):  # `model=nope`: one line naming the presets
         key, value = a.split("=", 1)
         if any(c in value for c in ",()*[]{}$"):  # a sweep, glob(...), an interpolation: Hydra's to parse
             continue
         group = key.split("@", 1)[0]
+        if "@" not in key:
+            groups = config_groups(config_name) if groups is None else groups
+            if key not in groups:
+                return f"{key}={value}: {config_name} takes no {key}= ({GROUP_HINTS.get(key, 'no such group here')})"
         options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
         if (CONF_DIR / group).is_dir() and value not in ("null", "") and value not in options:
             return f"{key}={value!r} is not a preset of conf/{group}/; valid: {', '.join(options)}"
@@ -107,6 +112,23 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
     except Exception:
         return None  # let Hydra report its own composition errors (unknown group options etc.)
     return mistyped_override(cfg, full, args) or (source_key_problem(full.data) if "data" in full else None)
+
+
+def config_groups(config_name: str) -> set[str]:
+    """The config groups conf/<config_name>.yaml's defaults list chooses (`model`, `decode@...`)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        choices = compose(config_name=config_name, return_hydra_config=True).hydra.runtime.choices
+    return {str(key) for key in choices if not str(key).startswith("hydra")}
+
+
+# what a choice of a group the script does not take means instead
+GROUP_HINTS = {
+    "method": "a training recipe of train/*.py; what the decoder drafts with is proposer=, conf/proposer/: "
+              + ", ".join(sorted(f.stem for f in (CONF_DIR / "proposer").glob("*.yaml"))),
+    "proposer": "what the decoder drafts with; a training script takes its recipe as method=, conf/method/",
+}
 
 
 def model_overrides(model: DictConfig) -> list[str]:

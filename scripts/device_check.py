@@ -325,7 +325,7 @@ def stage_launched(cfg, out: Path, kind: str) -> dict:
 
 
 def drafter_rows(cfg, out: Path) -> tuple[dict, list[str]]:
-    """name -> (method preset, tree, folder) of every drafter to decode with, and what is missing."""
+    """name -> (proposer preset, tree, folder) of every drafter to decode with, and what is missing."""
     d = cfg.decode
     rows, missing = {}, []
     for name in d.drafters:
@@ -333,12 +333,12 @@ def drafter_rows(cfg, out: Path) -> tuple[dict, list[str]]:
         if not folder.is_dir():
             missing.append(f"{name} (stage train_{name} left no drafter)")
             continue
-        rows[name] = (choose(d.methods, name, "decode.drafters[]"), choose(d.trees, name, "decode.drafters[]"), folder)
+        rows[name] = (choose(d.proposers, name, "decode.drafters[]"), choose(d.trees, name, "decode.drafters[]"), folder)
     if d.main_drafter:
         if not Path(str(d.main_drafter)).is_dir():
             raise DraftsmithError(f"decode.main_drafter={d.main_drafter}: no such folder; pass the main job's drafter "
                                   f"folder (e.g. outputs/medusa-smollm2-135m/final) or null")
-        rows["main"] = (d.main_method, d.main_tree, Path(str(d.main_drafter)))
+        rows["main"] = (d.main_proposer, d.main_tree, Path(str(d.main_drafter)))
     return rows, missing
 
 
@@ -349,10 +349,10 @@ def proposers(cfg, out: Path, verifier, names=None) -> tuple[dict, dict, list[st
 
     rows, missing = drafter_rows(cfg, out)
     built = {}
-    for name, (method, tree, folder) in rows.items():
+    for name, (proposer, tree, folder) in rows.items():
         if names is None or name in names:
             try:
-                ecfg = evaluate_config([f"method={method}", f"drafter={folder}", f"decode={tree}"], model=cfg.model)
+                ecfg = evaluate_config([f"proposer={proposer}", f"drafter={folder}", f"decode={tree}"], model=cfg.model)
                 built[name] = build_proposer(ecfg, verifier)[0]
             except Exception as e:  # this drafter alone: the others still decode
                 traceback.print_exc()
@@ -450,9 +450,9 @@ def stage_decode_graph(cfg, out: Path) -> dict:
             same, ties = sum(c["identical"] for c in checks), sum(bool(c.get("tie")) for c in checks)
             row.update(greedy_identical=same, greedy_ties=ties, greedy_unexplained=len(checks) - same - ties)
         result["rows"][name] = row
-    for name, (method, tree, folder) in drafters.items():
+    for name, (proposer, tree, folder) in drafters.items():
         if name in result["rows"]:
-            result["rows"][name].update(method=method, tree=tree, drafter=str(folder))
+            result["rows"][name].update(proposer=proposer, tree=tree, drafter=str(folder))
     problems = [f"{name}: {why}" for name, why in errors.items()] + [f"no drafter: {m}" for m in missing]
     if problems:
         result["error"] = "; ".join(problems)

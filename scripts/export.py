@@ -116,7 +116,7 @@ def engine_state(kind: str, module, config, fmt: str, lm_head) -> tuple[dict, di
                 f"parameter but leaves it out of the names it reports loaded (ValueError: weights not initialized: "
                 f"{{'token_map'}}), and sizes own lm_heads at vocab_size, not truncated_vocab_size; train the heads "
                 f"with the full vocabulary (method.draft_vocab_size=null) to serve them in vLLM, or serve these with "
-                f"python decode/serve.py method=medusa drafter=...")
+                f"python decode/serve.py proposer=medusa drafter=...")
         if config.lm_head == "shared":  # vLLM's original_lm_head: one lm_head.weight
             state["lm_head.weight"] = lm_head()
         return state, {}, config

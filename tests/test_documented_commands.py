@@ -349,7 +349,7 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     # a top-level key the script does not have, and a preset that does not exist (both were Hydra's
     # multi-line reports with exit status 1)
     assert config_problem("serve", ["output_dir=/tmp/x"]).startswith(
-        "unknown config key 'output_dir': the top level has no 'output_dir'; valid: allow_fingerprint_mismatch, ")
+        "unknown config key 'output_dir': the top level has no 'output_dir'; valid: acceptance, allow_fingerprint_mismatch, ")
     assert "the top level has no 'max_new_token'" in config_problem("evaluate", ["max_new_token=8"])
     assert config_problem("medusa", ["model=smollm2-136m"]) == (
         "model='smollm2-136m' is not a preset of conf/model/; valid: llama2-7b, llama3.1-8b-instruct, "
@@ -357,6 +357,11 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
     assert "data@data.prompts='mt-bench' is not a preset of conf/data/" in config_problem(
         "selfdistill", ["data@data.prompts=mt-bench"])
     assert config_problem("evaluate", ["model=smollm2-135m", "decode=eagle-dynamic", "device=cpu"]) is None
+    # a group the config does not choose: refused, naming the group that does the job here
+    assert config_problem("serve", ["method=medusa1"]).startswith("method=medusa1: serve takes no method= (a training")
+    assert config_problem("tune_decode", ["proposer=draft", "decode=draft-chain"]) is None
+    assert config_problem("draft", ["hw=cpu"]) == "hw=cpu: draft takes no hw= (no such group here)"
+    assert config_problem("experiment", ["experiment=compare-peagle", "model=smollm2-135m"]) is None
     # ... while Hydra's own groups, sweeps and interpolations stay Hydra's to check
     assert config_problem("medusa", ["hydra/job_logging=disabled", "hydra.run.dir=/tmp/x"]) is None
     assert config_problem("medusa", ["-m", "model=smollm2-135m,llama2-7b"]) is None
@@ -366,6 +371,11 @@ def test_the_check_refuses_what_the_scripts_would_refuse():
 @pytest.mark.parametrize("argv, message", [
     (["decode/serve.py", "output_dir=/tmp/x"], "draftsmith: error: unknown config key 'output_dir': the top level"),
     (["train/eagle.py", "method=eagle-3"], "draftsmith: error: method='eagle-3' is not a preset of conf/method/; valid: "),
+    # training recipes (method=) and what the decoder drafts with (proposer=) are separate groups
+    (["decode/evaluate.py", "method=eagle", "drafter=x"], "draftsmith: error: method=eagle: evaluate takes no method= "
+     "(a training recipe of train/*.py; what the decoder drafts with is proposer=, conf/proposer/: draft, eagle, "),
+    (["train/medusa.py", "proposer=medusa"], "draftsmith: error: proposer=medusa: medusa takes no proposer= (what the "
+     "decoder drafts with; a training script takes its recipe as method=, conf/method/)"),
 ])
 def test_an_unknown_key_or_preset_stops_the_script_in_one_line(argv, message):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -31,14 +31,14 @@ def script(name: str):
 def test_compare_runs_every_cell_in_model_dtype(tmp_path, dtype):
     compare = script("compare")
     cfg = compose_config("compare", [f"model.dtype={dtype}", "model.path=/some/verifier"])
-    cell = compare.cell_config(cfg, ["method=prompt-lookup", "decode=prompt-lookup", "drafter=null"], "mtbench", 0.0,
+    cell = compare.cell_config(cfg, ["proposer=prompt-lookup", "decode=prompt-lookup", "drafter=null"], "mtbench", 0.0,
                                tmp_path, hf=False)
     assert cell.model.dtype == dtype and cell.model.path == "/some/verifier"  # the whole node, not a rebuilt one
-    plain = compare.cell_config(cfg, ["method=vanilla", "drafter=null"], "mtbench", 0.0, tmp_path, hf=False,
+    plain = compare.cell_config(cfg, ["proposer=vanilla", "drafter=null"], "mtbench", 0.0, tmp_path, hf=False,
                                 dtype="bfloat16")  # plain_dtypes' cells: that dtype, the same verifier
     assert plain.model.dtype == "bfloat16" and plain.model.path == "/some/verifier"
     with pytest.raises(DraftsmithError, match=r"^model.dtype=float64: the verifier \(model.\*\) is set once"):
-        compare.cell_config(cfg, ["method=vanilla", "model.dtype=float64"], "mtbench", 0.0, tmp_path, hf=False)
+        compare.cell_config(cfg, ["proposer=vanilla", "model.dtype=float64"], "mtbench", 0.0, tmp_path, hf=False)
 
 
 def test_learning_curve_decodes_snapshots_in_model_dtype(tmp_path):
@@ -73,7 +73,7 @@ def test_the_benchmarks_pass_model_dtype_to_their_children():
 
 def test_bench_decode_refuses_model_dtype_it_would_ignore(tmp_path):
     bench = script("bench_decode")
-    cfg = compose_config("bench_decode", ["model.dtype=float16", "method=vanilla", "drafter=null",
+    cfg = compose_config("bench_decode", ["model.dtype=float16", "proposer=vanilla", "drafter=null",
                                           f"output_dir={tmp_path}"])
     with pytest.raises(DraftsmithError, match=r"^model.dtype=float16 would be ignored: .* pass dtypes=\[float16\]"):
         bench.run(cfg)

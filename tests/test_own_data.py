@@ -40,7 +40,7 @@ def test_train_and_evaluate_on_my_own_chat_jsonl(tiny_model_dir, tmp_path):
     assert train.returncode == 0, train.stderr[-2000:]
     assert "72 train / 8 held-out conversations" in train.stdout + train.stderr  # data.eval_size=auto: a tenth
     evaluate = run([str(ROOT / "decode/evaluate.py"), "data=chat-jsonl", "data.path=prompts.jsonl", *model,
-                    "method=medusa", "drafter=heads/final", "decode=chain4", "max_new_tokens=8", "hf.enabled=false",
+                    "proposer=medusa", "drafter=heads/final", "decode=chain4", "max_new_tokens=8", "hf.enabled=false",
                     "output_dir=eval"], tmp_path)
     assert evaluate.returncode == 0, evaluate.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "results.json").read_text())

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"eagle3": ("eagle3", "ce"), "eagle3-lk": ("eagle3", "lk"), "peagle": ("peagle", "ce"),
         "peagle-lk": ("peagle", "lk")}  # the recipe's four runs: name -> (method, method.loss)
 TINY = ["method.draft_vocab_size=48", "method.fusion_layers=[0,1,-1]"]  # the tiny verifier has 2 layers
-DECODE = {"eagle3": "method=eagle decode=eagle-dynamic", "peagle": "method=eagle decode=peagle-dynamic"}
+DECODE = {"eagle3": "proposer=eagle decode=eagle-dynamic", "peagle": "proposer=eagle decode=peagle-dynamic"}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def cmp_dir(tiny_model_dir, tmp_path_factory):
     compare.run(compose_config("compare", tiny + [  # as the recipe: eagle3 from the catalog under cmp_dir, 3 added
         f"cmp_dir={out}", "datasets=[tiny]", "temperatures=[0.0]", "num_prompts=2", "max_new_tokens=6",
         "hf_with=none", "assistant=null", "plain_dtypes=[float32]", f"only=[{','.join(RUNS)}]",
-        *[f"+methods.{name}=['method=eagle','drafter={out / name}/final','{DECODE[method].split()[1]}']"
+        *[f"+methods.{name}=['proposer=eagle','drafter={out / name}/final','{DECODE[method].split()[1]}']"
           for name, (method, _) in RUNS.items() if name != "eagle3"], f"output_dir={out / 'compare'}"]))
     return out
 

@@ -1,7 +1,7 @@
 """What engine.invariant buys and costs: speculation against plain decoding in bf16 / fp16.
 
     python scripts/bench/bench_invariance.py                                        # prompt lookup, MT-bench
-    python scripts/bench/bench_invariance.py method=medusa drafter=outputs/medusa-smollm2-135m/final decode=medusa-cpu
+    python scripts/bench/bench_invariance.py proposer=medusa drafter=outputs/medusa-smollm2-135m/final decode=medusa-cpu
 
 For each dtype in `dtypes` and each engine.invariant mode in `modes` (false, rows, float64: the
 two ways of making a row's logits shape-invariant, decode/forward.py), on the same prompts in one
@@ -53,7 +53,7 @@ def run(cfg: DictConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.data)
-    report = {"method": cfg.method.name, "drafter": cfg.drafter, "data": cfg.data.name, "prompts": len(prompts),
+    report = {"method": cfg.proposer.name, "drafter": cfg.drafter, "data": cfg.data.name, "prompts": len(prompts),
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "threads": torch.get_num_threads(),
               "load_avg_1m_before": os.getloadavg()[0], "rows": []}
     for dtype in cfg.dtypes:
@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> dict:
         run_cfg = OmegaConf.merge(cfg, {"model": {"dtype": dtype}})
         proposer, _ = build_proposer(run_cfg, verifier)
         if proposer is None:
-            raise DraftsmithError(f"method={cfg.method.name} drafts nothing: pick a drafting method (this compares it "
+            raise DraftsmithError(f"proposer={cfg.proposer.name} drafts nothing: pick a drafting method (this compares it "
                                   f"with plain decoding)")
         for invariant in cfg.modes:
             if invariant_mode(invariant) == "float64" and dtype in ("float32", "float64"):
@@ -106,7 +106,7 @@ def run(cfg: DictConfig) -> dict:
         ax.legend(fontsize=7)
 
     save_plot(out_dir / "bench_invariance.png", bars, ylabel="% prompts equal to plain decoding",
-              title=f"engine.invariant, {cfg.method.name}")
+              title=f"engine.invariant, {cfg.proposer.name}")
     print(table)
     return report
 

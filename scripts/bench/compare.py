@@ -4,7 +4,7 @@
     python scripts/bench/compare.py only='[prompt-lookup,lookahead]' datasets='[humaneval]'
     python scripts/bench/compare.py only='[eagle3]' num_prompts='{mtbench: 80, humaneval: 40}' temperatures='[0.0]'
     python scripts/bench/compare.py num_prompts=4 temperatures='[0.0]' \
-        "methods={fkl: ['method=draft', 'drafter=outputs/draft-smollm2-135m-draft-fkl/final', 'decode=draft-chain']}"
+        "methods={fkl: ['proposer=draft', 'drafter=outputs/draft-smollm2-135m-draft-fkl/final', 'decode=draft-chain']}"
 
 Every cell (method x dataset x temperature) is one decode/evaluate.py run in this process,
 with plain decoding interleaved on the same prompts, so speedups are same-run ratios; tau does
@@ -84,7 +84,7 @@ def fastest_plain(cfg: DictConfig, out_dir: Path) -> tuple[list[dict], dict[str,
     for dataset in cfg.datasets:
         for dtype in cfg.plain_dtypes:
             out = out_dir / f"plain-{dtype}-{dataset}"
-            cell = cell_config(cfg, ["method=vanilla", "drafter=null", f"hf.static_cache={str(cfg.plain_static).lower()}"],
+            cell = cell_config(cfg, ["proposer=vanilla", "drafter=null", f"hf.static_cache={str(cfg.plain_static).lower()}"],
                                dataset, 0.0, out, hf=False, dtype=dtype)
             report = run_cell(cell, out, rerun=bool(cfg.rerun))
             kinds = [("vanilla", f"plain-{dtype}", dtype)]

@@ -1,7 +1,7 @@
 """Choose a decode preset's tree / draft budget for THIS machine, from measured tokens/s.
 
     python scripts/bench/tune_decode.py drafter=outputs/eagle3-smollm2-135m/final      # EAGLE-3, eagle-dynamic grid
-    python scripts/bench/tune_decode.py method=draft drafter=outputs/draft-smollm2-135m/final decode=draft-chain \
+    python scripts/bench/tune_decode.py proposer=draft drafter=outputs/draft-smollm2-135m/final decode=draft-chain \
         grid='[{num_tokens: [2, 4, 6]}]'
 
 EAGLE-2 fixes its draft-tree budget (total_tokens) for the GPU it runs on; the right budget on
@@ -86,7 +86,7 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     if int(cfg.num_samples) < 1:
         raise DraftsmithError(f"num_samples={cfg.num_samples}: measure at least one sample per prompt (num_samples=1)")
-    acceptance = cfg.method.get("acceptance", "auto")
+    acceptance = cfg.acceptance
     sampling.resolve_rule(acceptance, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))  # refuse before any work
     candidates = candidate_list(cfg)
     device = resolve_device(cfg.device)
@@ -100,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
         cand_cfg = OmegaConf.merge(cfg, {"decode": c})
         proposer, _ = build_proposer(cand_cfg, verifier)
         if proposer is None:
-            raise DraftsmithError(f"method={cfg.method.name} has no proposer to tune; pick a drafter's method")
+            raise DraftsmithError(f"proposer={cfg.proposer.name} drafts nothing to tune; pick a drafter's proposer (medusa, eagle or draft)")
         proposers[name] = proposer
     runs = {"vanilla": None, **proposers}
     prompts = load_prompts(cfg.data)
@@ -130,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
             row["overrides"] = overrides(candidates[names.index(name)])
         rows.append(row)
     best = max((r for r in rows if r["candidate"] != "vanilla"), key=lambda r: r["tokens_per_s"])
-    report = {"model": verifier.name, "dtype": str(model.dtype), "method": cfg.method.name, "drafter": cfg.drafter,
+    report = {"model": verifier.name, "dtype": str(model.dtype), "method": cfg.proposer.name, "drafter": cfg.drafter,
               "decode": cfg.decode.name, "data": cfg.data.name, "num_prompts": len(prompts),
               "num_samples": cfg.num_samples, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
               "lossy": acceptance in sampling.LOSSY_RULES, "device": str(model.device), "threads": torch.get_num_threads(),

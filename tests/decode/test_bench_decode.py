@@ -41,11 +41,11 @@ def test_a_missing_drafter_is_refused_before_any_measurement(tiny_model_dir, tmp
     for config, run in [("bench_decode", bench_decode.run), ("evaluate", evaluate.run), ("serve", serve.Server)]:
         out = [] if config == "serve" else [f"output_dir={tmp_path / config}"]
         cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [
-            "method=medusa", f"drafter={missing}", *out] + (["model.dtype=null"] if config == "bench_decode" else []))
+            "proposer=medusa", f"drafter={missing}", *out] + (["model.dtype=null"] if config == "bench_decode" else []))
         with pytest.raises(DraftsmithError, match=rf"^drafter={missing}: no such checkpoint folder$"):
             run(cfg)
         assert not (tmp_path / config).exists()
     cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
-        "method=vanilla", "drafter=null", f"hf.assistant={missing}", f"output_dir={tmp_path / 'assisted'}"])
+        "proposer=vanilla", "drafter=null", f"hf.assistant={missing}", f"output_dir={tmp_path / 'assisted'}"])
     with pytest.raises(DraftsmithError, match=rf"^hf.assistant={missing}: no such folder; pass a draft model folder"):
         evaluate.run(cfg)  # HF assisted generation with a draft that is not there: before the verifier loads

@@ -26,6 +26,6 @@ def test_bench_invariance_on_a_tiny_verifier(tiny_model_dir, tmp_path):
     with pytest.raises(DraftsmithError, match="engine.invariant='exact' is not known"):
         bench_invariance.run(compose_config("bench_invariance", tiny_model_overrides(tiny_model_dir) + [
             "model.dtype=null", "modes=[false,exact]", "data=tiny", f"output_dir={tmp_path}/m"]))
-    with pytest.raises(DraftsmithError, match="method=vanilla drafts nothing"):
+    with pytest.raises(DraftsmithError, match="proposer=vanilla drafts nothing"):
         bench_invariance.run(compose_config("bench_invariance", tiny_model_overrides(tiny_model_dir) + [
-            "model.dtype=null", "method=vanilla", "decode=chain4", "data=tiny", f"output_dir={tmp_path}/v"]))
+            "model.dtype=null", "proposer=vanilla", "decode=chain4", "data=tiny", f"output_dir={tmp_path}/v"]))

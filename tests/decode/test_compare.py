@@ -13,9 +13,9 @@ def test_compare_runs_every_cell_and_skips_untrained_drafters(tiny_model_dir, tm
     cfg = compose_config("compare", tiny_model_overrides(tiny_model_dir) + [
         "datasets=[tiny]", "temperatures=[0.0,0.7]", "num_prompts=2", "max_new_tokens=6",
         "hf_with=prompt-lookup", "assistant=null", f"output_dir={tmp_path}", "plain_dtypes=[float32,bfloat16]", "only=[prompt-lookup,lookahead,eagle1]",
-        "methods={prompt-lookup: ['method=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
-        " lookahead: ['method=lookahead', 'decode=lookahead', 'drafter=null'],"
-        f" eagle1: ['method=eagle', 'drafter={tmp_path / 'missing'}', 'decode=eagle-dynamic']}}"])
+        "methods={prompt-lookup: ['proposer=prompt-lookup', 'decode=prompt-lookup', 'drafter=null'],"
+        " lookahead: ['proposer=lookahead', 'decode=lookahead', 'drafter=null'],"
+        f" eagle1: ['proposer=eagle', 'drafter={tmp_path / 'missing'}', 'decode=eagle-dynamic']}}"])
     result = run(cfg)
     rows = result["rows"]
     plain = {r["method"]: r for r in rows if r["method"].startswith("plain-")}
@@ -71,7 +71,7 @@ def test_num_prompts_per_dataset(tmp_path):
     from draftsmith.models.errors import DraftsmithError
 
     cfg = compose_config("compare", ["num_prompts={mtbench: 80, humaneval: null}", f"output_dir={tmp_path / 'c'}"])
-    cells = {d: compare.cell_config(cfg, ["method=vanilla", "drafter=null"], d, 0.0, tmp_path, hf=False)
+    cells = {d: compare.cell_config(cfg, ["proposer=vanilla", "drafter=null"], d, 0.0, tmp_path, hf=False)
              for d in ("mtbench", "humaneval")}
     assert cells["mtbench"].data.num_prompts == 80 and cells["humaneval"].data.num_prompts is None
     assert "mtbench 80, humaneval all prompts" in compare.markdown([], cfg, {})

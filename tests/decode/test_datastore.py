@@ -233,7 +233,7 @@ def test_build_datastore_then_evaluate_with_it(tiny_model_dir, tmp_path):
                                                       f"decode.datastore={out}", "decode.datastore_min_ngram=1",
                                                       "hf.assistant=null"]
     for overrides, proposer in ([[f"drafter={drafter}", "decode=medusa-small"], "medusa+datastore"],
-                                [["method=prompt-lookup", "decode=prompt-lookup", "drafter=null"], "prompt_lookup+datastore"]):
+                                [["proposer=prompt-lookup", "decode=prompt-lookup", "drafter=null"], "prompt_lookup+datastore"]):
         report = run(compose_config("evaluate", common + overrides + [f"output_dir={tmp_path / proposer}"]))
         ours = next(iter(report["methods"].values()))
         assert report["proposer"] == proposer
@@ -246,7 +246,7 @@ def test_build_datastore_then_evaluate_with_it(tiny_model_dir, tmp_path):
     student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
     draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
                              verifier_name="tiny")
-    sampled = compose_config("evaluate", common + [f"drafter={draft}", "method=draft", "decode=draft-cpu",
+    sampled = compose_config("evaluate", common + [f"drafter={draft}", "proposer=draft", "decode=draft-cpu",
                                                    "decode.lookup_tokens=0", "temperature=0.7",
                                                    f"output_dir={tmp_path / 'sampled'}"])
     with pytest.raises(DraftsmithError, match=r"decode.datastore=.* with a draft model at temperature=0.7: its drafts "

@@ -50,15 +50,15 @@ def test_greedy_run_writes_every_artifact_and_is_identical(tiny_model_dir, draft
 def test_sampled_run_records_every_sample_and_typical_is_labelled_lossy(tiny_model_dir, drafter, tmp_path):
     out = tmp_path / "eval"
     with pytest.raises(DraftsmithError, match="typical.*cannot honour top_k=0 / top_p=0.9"):
-        run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7", "top_p=0.9", "method.acceptance=typical"))
+        run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7", "top_p=0.9", "acceptance=typical"))
     report = run(_cfg(tiny_model_dir, out, f"drafter={drafter}", "temperature=0.7",
-                      "num_samples=2", "hf.enabled=false", "method.acceptance=typical"))
+                      "num_samples=2", "hf.enabled=false", "acceptance=typical"))
     assert report["lossy"] and "medusa (LOSSY typical acceptance)" in report["methods"]
     assert "LOSSY" in (out / "results.md").read_text()
     lines = [json.loads(l) for l in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * 2 * 2 and {l["sample"] for l in lines} == {0, 1}
     again = run(_cfg(tiny_model_dir, tmp_path / "again", f"drafter={drafter}", "temperature=0.7",
-                     "num_samples=2", "hf.enabled=false", "method.acceptance=typical"))
+                     "num_samples=2", "hf.enabled=false", "acceptance=typical"))
     again_lines = [json.loads(l) for l in (tmp_path / "again" / "outputs.jsonl").read_text().splitlines()]
     assert [l["tokens"] for l in lines] == [l["tokens"] for l in again_lines]  # seed makes it reproducible
     assert again["methods"].keys() == report["methods"].keys()
@@ -85,12 +85,12 @@ def test_tree_deeper_than_heads_is_one_line(tiny_model_dir, tmp_path):
 
 
 def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_model_dir, tmp_path):
-    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.enabled=false",
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "proposer=vanilla", "drafter=null", "hf.enabled=false",
                       "data.num_prompts=1", "max_new_tokens=4"))
     assert list(report["methods"]) == ["vanilla"] and report["methods"]["vanilla"]["tau"] == 1.0
     assert report["device"] == str(resolve_device("auto"))  # device=auto: where it decoded, in results.json
-    with pytest.raises(DraftsmithError, match="method.proposer='eagle9'.*valid: draft, eagle, lookahead, medusa, peagle, prompt_lookup, vanilla"):
-        run(_cfg(tiny_model_dir, tmp_path / "eval", "method.proposer=eagle9"))
+    with pytest.raises(DraftsmithError, match="proposer.kind='eagle9'.*valid: draft, eagle, lookahead, medusa, peagle, prompt_lookup, vanilla"):
+        run(_cfg(tiny_model_dir, tmp_path / "eval", "proposer.kind=eagle9"))
 
 
 @pytest.mark.parametrize("method,decode", [("prompt-lookup", "prompt-lookup"), ("lookahead", "lookahead"),
@@ -104,13 +104,13 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
     from draftsmith.models.draft import build_student, save_draft_model
     from tests.tiny import tiny_tokenizer
 
-    extra = [f"method={method}", f"decode={decode}", "drafter=null"]
+    extra = [f"proposer={method}", f"decode={decode}", "drafter=null"]
     if method == "draft":
         verifier = tiny_llama(dtype=torch.float32)
         student = build_student(verifier, tiny_tokenizer(), OmegaConf.create({"init": "truncate", "num_layers": 1}))
         draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(),
                                  verifier_fingerprint=fingerprint(verifier), verifier_name="tiny")
-        extra = [f"method={method}", f"decode={decode}", f"drafter={draft}", f"hf.assistant={draft}"]
+        extra = [f"proposer={method}", f"decode={decode}", f"drafter={draft}", f"hf.assistant={draft}"]
     report = run(_cfg(tiny_model_dir, tmp_path / "eval", *extra))
     ours = report["methods"][method]
     assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
@@ -126,7 +126,7 @@ def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, de
         with pytest.raises(DraftsmithError, match="hf.assisted_schedules"):
             run(_cfg(tiny_model_dir, tmp_path / "eval3", *extra, "hf.assisted_schedules=[ours]"))
     with pytest.raises(DraftsmithError, match="needs a .* decode preset"):
-        run(_cfg(tiny_model_dir, tmp_path / "eval2", f"method={method}", "decode=medusa-small",
+        run(_cfg(tiny_model_dir, tmp_path / "eval2", f"proposer={method}", "decode=medusa-small",
                  *extra[2:]))
 
 
@@ -143,7 +143,7 @@ def test_hf_static_cache_row_is_compiled_once_and_greedy_identical(tiny_model_di
     from torch._dynamo.utils import counters
 
     counters.clear()
-    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "method=vanilla", "drafter=null", "hf.static_cache=true"))
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", "proposer=vanilla", "drafter=null", "hf.static_cache=true"))
     static = report["methods"]["hf_generate_static"]
     assert static["greedy_identity_rate"] == 1.0 or static["greedy_divergences_unexplained"] == 0, static
     assert static["num_tokens"] > 0 and static["compile_s"] > 0
@@ -152,6 +152,6 @@ def test_hf_static_cache_row_is_compiled_once_and_greedy_identical(tiny_model_di
     longest = max(len(json.loads(l)["prompt_ids"]) for l in (tmp_path / "eval" / "outputs.jsonl").read_text().splitlines()
                   if json.loads(l)["method"] == "vanilla")
     assert static["cache_slots"] == longest + 12  # one cache shape for every prompt: the longest + max_new_tokens
-    again = run(_cfg(tiny_model_dir, tmp_path / "again", "method=vanilla", "drafter=null", "hf.static_cache=true"))
+    again = run(_cfg(tiny_model_dir, tmp_path / "again", "proposer=vanilla", "drafter=null", "hf.static_cache=true"))
     assert again["methods"]["hf_generate_static"]["num_tokens"] == static["num_tokens"]
     assert counters["stats"]["unique_graphs"] == frames  # a second evaluation compiles nothing new

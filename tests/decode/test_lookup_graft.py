@@ -168,7 +168,7 @@ def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path)
     draft = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
                              verifier_name="tiny")
     cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
-        "data=tiny", "data.num_prompts=1", "max_new_tokens=4", f"output_dir={tmp_path / 'eval'}", "method=draft",
+        "data=tiny", "data.num_prompts=1", "max_new_tokens=4", f"output_dir={tmp_path / 'eval'}", "proposer=draft",
         f"drafter={draft}", "decode=draft-chain", "decode.lookup_tokens=5", "temperature=0.7"])
     with pytest.raises(DraftsmithError, match="decode.lookup_tokens=5 with a draft model at temperature=0.7"):
         run(cfg)

@@ -49,7 +49,7 @@ def drafter(tiny_model_dir, tmp_path_factory):
 
 def serve_cfg(tiny_model_dir, drafter, *extra):
     return compose_config("serve", tiny_model_overrides(tiny_model_dir) + [
-        "method=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "threads=1", *extra])
+        "proposer=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "threads=1", *extra])
 
 
 class Server:
@@ -84,7 +84,7 @@ def test_greedy_is_token_identical_to_evaluate_streaming_and_not(server, tiny_mo
     from draftsmith.models.sources import load_prompts
 
     cfg = compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
-        "method=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
+        "proposer=medusa", f"drafter={drafter}", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
         "data.num_prompts=2", "max_new_tokens=24", "hf.enabled=false", f"output_dir={tmp_path}"])
     evaluate(cfg)
     offline = [json.loads(line) for line in open(tmp_path / "outputs.jsonl") if '"method": "medusa"' in line]
@@ -243,7 +243,7 @@ def test_a_draft_model_served_as_draft_cpu(tiny_model_dir, server, tmp_path):
     path = save_draft_model(tmp_path / "draft", student, tiny_tokenizer(), verifier_fingerprint=fingerprint(verifier),
                             verifier_name="tiny", draft_vocab=torch.arange(0, 128, 2))
     s = Server(compose_config("serve", tiny_model_overrides(tiny_model_dir) + [
-        "method=draft", f"drafter={path}", "decode=draft-cpu", "threads=1"]))
+        "proposer=draft", f"drafter={path}", "decode=draft-cpu", "threads=1"]))
     try:
         draft = s.engine.proposer.inner
         assert (draft.quant, draft.widths, draft.length, s.engine.proposer.num_tokens) == ("int8", [2], 1, 10)
@@ -331,8 +331,8 @@ def test_a_key_setting_that_cannot_work_is_refused_before_loading(tiny_model_dir
 
 def test_api_key_argument_leaves_argv_before_hydra_sees_it():
     environ = {}
-    argv = serve.take_api_key_argument(["method=vanilla", "api_key=12345,a=b$x", "port=1"], environ)
-    assert argv == ["method=vanilla", "port=1"] and environ[serve.API_KEY_ENV] == "12345,a=b$x"  # as typed
+    argv = serve.take_api_key_argument(["proposer=vanilla", "api_key=12345,a=b$x", "port=1"], environ)
+    assert argv == ["proposer=vanilla", "port=1"] and environ[serve.API_KEY_ENV] == "12345,a=b$x"  # as typed
     assert serve.take_api_key_argument(["api_key='0123'"], environ) == [] and environ[serve.API_KEY_ENV] == "0123"
     environ = {}
     assert serve.take_api_key_argument(["api_key=null", "host=0.0.0.0"], environ) == ["host=0.0.0.0"]
@@ -417,15 +417,15 @@ def test_the_script_steps_the_engine_in_the_main_thread_and_a_port_taken_ends_it
     assert engine.stopping.is_set() and threading.current_thread() is threading.main_thread()
 
 
-@pytest.mark.parametrize("config, method", [("serve", ["method=vanilla"]),
-                                            ("serve", ["method=lookahead", "decode=lookahead"]),
-                                            ("evaluate", ["method=prompt-lookup", "decode=prompt-lookup"])])
-def test_a_drafter_the_method_would_ignore_is_refused(tiny_model_dir, drafter, config, method):
+@pytest.mark.parametrize("config, method", [("serve", ["proposer=vanilla"]),
+                                            ("serve", ["proposer=lookahead", "decode=lookahead"]),
+                                            ("evaluate", ["proposer=prompt-lookup", "decode=prompt-lookup"])])
+def test_a_drafter_the_proposer_would_ignore_is_refused(tiny_model_dir, drafter, config, method):
     from draftsmith.decode.build import check_drafter
     from tests.hub import compose_config
 
     cfg = compose_config(config, tiny_model_overrides(tiny_model_dir) + [*method, f"drafter={drafter}"])
-    with pytest.raises(DraftsmithError, match=rf"^drafter={drafter} would be ignored: method=\S+ decodes without"):
+    with pytest.raises(DraftsmithError, match=rf"^drafter={drafter} would be ignored: proposer=\S+ decodes without"):
         Serving(cfg) if config == "serve" else check_drafter(cfg)
     # ... while a config's own default drafter (evaluate.yaml's interpolation) and drafter=null are no request
     assert check_drafter(compose_config(config, tiny_model_overrides(tiny_model_dir) + method)) != "medusa"

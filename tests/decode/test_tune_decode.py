@@ -23,7 +23,7 @@ def medusa_dir(tmp_path):
 
 def _cfg(tiny_model_dir, medusa_dir, out, *extra):
     return compose_config("tune_decode", tiny_model_overrides(tiny_model_dir) + [
-        "method=medusa", "decode=medusa-small", f"drafter={medusa_dir}", "grid=[]", CANDIDATES,
+        "proposer=medusa", "decode=medusa-small", f"drafter={medusa_dir}", "grid=[]", CANDIDATES,
         "data=tiny", "data.num_prompts=3", "max_new_tokens=10", f"output_dir={out}", *extra])
 
 
@@ -41,7 +41,7 @@ def test_every_candidate_is_timed_against_plain_and_the_fastest_composes(tiny_mo
     assert all(1.0 <= r["tau"] <= 1 + r["mean_nodes"] for r in spec)
     assert report["best"] == max(spec, key=lambda r: r["tokens_per_s"])
     # the printed overrides select that candidate's tree in the evaluator
-    ev = compose_config("evaluate", ["method=medusa", "decode=medusa-small", *report["best"]["overrides"].split()])
+    ev = compose_config("evaluate", ["proposer=medusa", "decode=medusa-small", *report["best"]["overrides"].split()])
     index = [r["candidate"] for r in spec].index(report["best"]["candidate"])
     assert [list(p) for p in ev.decode.paths] == candidate_list(_cfg(tiny_model_dir, medusa_dir, tmp_path))[index]["paths"]
     out = tmp_path / "tune"
@@ -66,7 +66,7 @@ def test_a_lossy_rule_shows_as_unexplained_divergences(tiny_model_dir, medusa_di
 def test_the_default_grid_is_eagle2s_tree_and_bad_grids_are_refused(tiny_model_dir, medusa_dir, tmp_path):
     default = compose_config("tune_decode", [])
     cands = candidate_list(default)
-    assert default.decode.name == "eagle-dynamic" and default.method.proposer == "eagle"
+    assert default.decode.name == "eagle-dynamic" and default.proposer.kind == "eagle"
     assert len(cands) == 12 and all(set(c) == {"depth", "top_k", "total_tokens"} for c in cands)
     with pytest.raises(DraftsmithError, match="grid/candidates key 'depth': decode=medusa-small has no such setting"):
         candidate_list(_cfg(tiny_model_dir, medusa_dir, tmp_path, "grid=[{depth: [2, 3]}]"))

@@ -109,7 +109,7 @@ def test_resolve_device_picks_cuda_only_when_torch_sees_it(monkeypatch):
                                     "scripts/bench/compare.py", "scripts/bench/learning_curve.py"])
 def test_a_device_this_torch_cannot_use_stops_the_decoder_in_one_line(script, tmp_path):
     out = [] if script == "decode/serve.py" else [f"output_dir={tmp_path}"]  # a server writes nothing
-    own = ["method=vanilla", "drafter=null"] if script.startswith("decode/") or "tune" in script else []
+    own = ["proposer=vanilla", "drafter=null"] if script.startswith("decode/") or "tune" in script else []
     hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU visible, on any machine
     proc = subprocess.run([sys.executable, script, "device=cuda", *own, *out],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=hidden)
@@ -155,15 +155,15 @@ def drafter_folders(tmp_path_factory):
 
 WHAT_IT_IS = {  # folder -> the one line load_verifier gives for it as model.path
     "medusa": lambda p: f"model.path={p} is a Medusa heads folder (trained by draftsmith), not a verifier: pass it "
-                        f"as drafter={p} method=medusa, and point model.path at its verifier (tiny)",
+                        f"as drafter={p} proposer=medusa, and point model.path at its verifier (tiny)",
     "eagle3": lambda p: f"model.path={p} is an EAGLE-3 drafter (trained by draftsmith), not a verifier: pass it as "
-                        f"drafter={p} method=eagle, and point model.path at its verifier (tiny)",
+                        f"drafter={p} proposer=eagle, and point model.path at its verifier (tiny)",
     "medusa2/final": lambda p: f"model.path={p} is a Medusa-2 output (heads/ and the tuned verifier/), not a "
-                               f"verifier: pass model.path={p}/verifier drafter={p}/heads method=medusa",
+                               f"verifier: pass model.path={p}/verifier drafter={p}/heads proposer=medusa",
     "medusa2/final/heads": lambda p: f"model.path={p} is the heads of the Medusa-2 output {p.parent}, not a "
-                                     f"verifier: pass drafter={p} method=medusa model.path={p.parent}/verifier",
+                                     f"verifier: pass drafter={p} proposer=medusa model.path={p.parent}/verifier",
     "export": lambda p: f"model.path={p} is a Medusa heads folder (exported by scripts/export.py, format=vllm), "
-                        f"not a verifier: pass it as drafter={p} method=medusa, and point model.path at its verifier "
+                        f"not a verifier: pass it as drafter={p} proposer=medusa, and point model.path at its verifier "
                         f"(tiny)",
 }
 
@@ -194,7 +194,7 @@ def test_evaluate_with_a_medusa_folder_as_model_path_stops_in_one_line(drafter_f
     """The slip as users make it: the preset, and model.path at the heads (it was a transformers
     ValueError under a Hydra traceback)."""
     proc = subprocess.run([sys.executable, "decode/evaluate.py", "model=smollm2-135m",
-                           f"model.path={drafter_folders / 'medusa2' / 'final' / 'heads'}", "method=vanilla",
+                           f"model.path={drafter_folders / 'medusa2' / 'final' / 'heads'}", "proposer=vanilla",
                            "drafter=null", "data=tiny", f"output_dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

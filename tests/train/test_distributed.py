@@ -82,7 +82,7 @@ def loads_in_the_evaluator(drafter_dir, model_dir) -> str:
     from draftsmith.models.verifier import load_verifier
     from tests.hub import compose_config
 
-    cfg = compose_config("evaluate", [*tiny_model_overrides(model_dir), "method=medusa", f"drafter={drafter_dir}",
+    cfg = compose_config("evaluate", [*tiny_model_overrides(model_dir), "proposer=medusa", f"drafter={drafter_dir}",
                                       "decode=chain4", "decode.paths=[[0],[0,0]]"])
     proposer, meta = build_proposer(cfg, load_verifier(cfg.model))
     assert proposer is not None

@@ -1,6 +1,6 @@
 """train/eagle.py: smoke runs of EAGLE-1 and EAGLE-3 on the tiny verifier, resume, the saved
 checkpoint (no verifier embedding / lm_head inside, d2t map for a reduced vocabulary), and the
-evaluator decoding with it (method=eagle, static and dynamic trees)."""
+evaluator decoding with it (proposer=eagle, static and dynamic trees)."""
 import csv
 import json
 
@@ -79,7 +79,7 @@ def test_evaluate_decodes_losslessly_with_the_trained_drafter(tiny_model_dir, tm
     summary = run(_cfg(tiny_model_dir, tmp_path / "run", method, *extra))
     report = evaluate(compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "data.num_prompts=2", "max_new_tokens=12", f"output_dir={tmp_path / 'eval'}",
-        "method=eagle", f"drafter={summary['drafter_dir']}", f"decode={decode}", "hf.enabled=false"]))
+        "proposer=eagle", f"drafter={summary['drafter_dir']}", f"decode={decode}", "hf.enabled=false"]))
     ours = report["methods"]["eagle"]
     assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours
     assert ours["tau"] >= 1.0
@@ -89,8 +89,8 @@ def test_medusa_refuses_an_eagle_checkpoint(tiny_model_dir, tmp_path):
     summary = run(_cfg(tiny_model_dir, tmp_path / "run", "eagle1"))
     base = tiny_model_overrides(tiny_model_dir) + ["data=tiny", "data.num_prompts=1", "max_new_tokens=4",
                                                    f"output_dir={tmp_path / 'eval'}", "hf.enabled=false"]
-    with pytest.raises(DraftsmithError, match="is a 'eagle' checkpoint; method=medusa needs medusa"):
-        evaluate(compose_config("evaluate", base + ["method=medusa", f"drafter={summary['drafter_dir']}"]))
+    with pytest.raises(DraftsmithError, match="is a 'eagle' checkpoint; proposer=medusa needs medusa"):
+        evaluate(compose_config("evaluate", base + ["proposer=medusa", f"drafter={summary['drafter_dir']}"]))
 
 
 @pytest.fixture()

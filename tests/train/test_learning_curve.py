@@ -31,7 +31,7 @@ def test_snapshots_accumulate_tokens_across_a_resume_and_feed_the_curve(tiny_mod
     assert metas[2]["seconds"] > metas[1]["seconds"] > 0
 
     cfg = compose_config("learning_curve", tiny_model_overrides(tiny_model_dir) + [
-        f"runs.eagle3={run_dir}", "decode.eagle3='method=eagle decode=eagle-static'", "dataset=tiny",
+        f"runs.eagle3={run_dir}", "decode.eagle3='proposer=eagle decode=eagle-static'", "dataset=tiny",
         "num_prompts=2", "max_new_tokens=8", f"output_dir={tmp_path / 'curve'}"])
     report = learning_curve.run(cfg)
     points = report["runs"]["eagle3"]["points"]

@@ -83,7 +83,7 @@ def test_evaluate_decodes_losslessly_with_the_trained_peagle(tiny_model_dir, tmp
     summary = run(_cfg(tiny_model_dir, tmp_path / "run", "peagle", *PEAGLE))
     report = evaluate(compose_config("evaluate", tiny_model_overrides(tiny_model_dir) + [
         "data=tiny", "data.num_prompts=2", "max_new_tokens=12", f"output_dir={tmp_path / 'eval'}",
-        "method=eagle", f"drafter={summary['drafter_dir']}", f"decode={decode}", "hw=cpu", "hf.enabled=false"]))
+        "proposer=eagle", f"drafter={summary['drafter_dir']}", f"decode={decode}", "hw=cpu", "hf.enabled=false"]))
     ours = report["methods"]["eagle"]
     assert report["proposer"] == "peagle"
     assert ours["greedy_identity_rate"] == 1.0 or ours["greedy_divergences_unexplained"] == 0, ours

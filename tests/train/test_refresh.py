@@ -256,7 +256,7 @@ def test_no_refresh_needed_leaves_a_drafter_that_evaluate_accepts_for_the_new_ve
     probe = probes.read_probe(checked)  # the next refresh's baseline: measured on the new verifier
     assert probe["verifier_fingerprint"] == report["fingerprints"]["new"] and probe["tau"] == report["old_on_new"]["tau"]
     assert probe["prompts"] == probes.read_probe(m0)["prompts"]
-    base = tiny_model_overrides(noisy) + ["method=medusa", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
+    base = tiny_model_overrides(noisy) + ["proposer=medusa", "decode=chain4", "decode.paths=[[0],[0,0]]", "data=tiny",
                                           "data.num_prompts=2",
                                           "max_new_tokens=8", "hf.enabled=false"]
     with pytest.raises(DraftsmithError, match="was trained against verifier"):
@@ -271,7 +271,7 @@ def test_a_fingerprint_mismatch_stops_evaluate_in_one_line(loop_dirs, tmp_path):
     from draftsmith.decode.evaluate import run as evaluate
 
     cfg = compose_config("evaluate", tiny_model_overrides(loop_dirs["ft"]) + [
-        f"drafter={loop_dirs['m0']}", "method=medusa", "decode=medusa-cpu", "data=tiny", f"output_dir={tmp_path}"])
+        f"drafter={loop_dirs['m0']}", "proposer=medusa", "decode=medusa-cpu", "data=tiny", f"output_dir={tmp_path}"])
     with pytest.raises(DraftsmithError, match=r"was trained against verifier .* refresh it for this verifier "
                                               r"\(python scripts/refresh.py drafter=") as e:
         evaluate(cfg)
