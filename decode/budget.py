@@ -5,14 +5,18 @@
               1, 2, 4, 8, ...) and the rows that draft are chosen to maximise the batch's expected
               tokens per second:
 
-        rate(W, D) = sum_b E_b(W if b in D else 1) / (T(B * W) + sum_{b in D} c_b)
+        rate(W, D) = sum_b E_b(W if b in D else 1) / (T(B * W, W) + sum_{b in D} c_b)
 
-        E_b(w)  tokens row b emits when it verifies the first w nodes of its tree:
-                1 + sum of P_b(accepted >= d) over the depths d those nodes reach, from the row's
-                own history (a prior of `prior` per depth until it has some);
+        E_b(w)  tokens row b emits when it verifies the first w nodes of its tree: 1 + the drafted
+                tokens such a cut accepted over the row's own drafting steps (each step tells every
+                narrower cut: RowStats), shrunk towards a chain's prior of `prior` per depth;
         T(n)    the verifier forward's time for n tokens in the step on this machine: measured at
-                start for n = 1, 2, 4, ... (StepCost.calibrate), corrected by every step's own time;
-        c_b     the row's proposal time (a running mean of its own).
+                start on one row for n = 1, 2, 4, ... (StepCost.calibrate), times a correction per
+                step width learned from the steps themselves (B rows W wide are not one row of
+                B * W tokens: every row reads its own cache; a single shared correction would keep
+                a wrong ratio of wide to plain steps for ever);
+        c_b     the row's own work when it drafts: its proposal, its acceptance rule and its
+                proposer's update (a running mean of its own).
 
       W = 1 with no row drafting is plain continuous batching: the proposers do not run and
       nothing is paid beyond a plain step. At low load drafting is nearly free (T barely grows
@@ -45,40 +49,56 @@ class FixedBudget:
     def choose(self, rows) -> list[int | None]:
         return [None] * len(rows)
 
-    def observe(self, rows, trees, accepted, tokens: int, seconds: float, propose_s: list[float]) -> None:
+    def observe(self, rows, trees, paths, tokens: int, seconds: float, work_s: list[float]) -> None:
         self.counts[max(t.size for t in trees)] += 1
 
 
 @dataclass
 class RowStats:
-    """One row's acceptance history and proposal cost."""
+    """One row's acceptance history, per step width, and its own work on a drafting step.
 
-    hits: list[float] = field(default_factory=list)  # hits[d-1]: steps that accepted >= d drafted tokens
-    tries: list[float] = field(default_factory=list)  # tries[d-1]: steps whose verified tree reached depth d
-    depths: list[int] = field(default_factory=list)  # the node depths of its last full proposal
-    propose_s: float | None = None  # running mean of its proposal time
+    A step of width w verifies the first w nodes of the row's tree (decode.engine.truncate keeps
+    them, in the tree's topological order). Every drafting step tells what each narrower cut would
+    have accepted: the leading nodes of the accepted path that lie among the first w (under greedy
+    acceptance exactly what the cut tree accepts: a token the cut dropped matches nothing else)."""
 
-    def p_accept(self, depth: int, prior: float, weight: float) -> float:
-        """P(accepted >= depth | the tree reaches it), shrunk towards the prior."""
-        i = depth - 1
-        hits = self.hits[i] if i < len(self.hits) else 0.0
-        tries = self.tries[i] if i < len(self.tries) else 0.0
-        return (hits + prior * weight) / (tries + weight)
+    accepted: dict[int, float] = field(default_factory=dict)  # width -> drafted tokens a cut to it accepted, summed
+    steps: dict[int, float] = field(default_factory=dict)  # width -> steps that tell (the tree had >= width nodes)
+    work_s: float | None = None  # running mean of its own work on a drafting step (propose, accept, update)
+
+    def record(self, path: list[int], size: int, cut: bool, widths) -> None:
+        """A drafting step: its accepted `path` (node indices, root first) in a tree of `size` nodes,
+        `cut` when the budget may have cut it (then wider steps are not told)."""
+        for width in widths:
+            if width > size and cut:
+                break
+            ahead = 0
+            for node in path[1:]:
+                if node >= width:
+                    break
+                ahead += 1
+            self.accepted[width] = self.accepted.get(width, 0.0) + ahead
+            self.steps[width] = self.steps.get(width, 0.0) + 1
 
     def expected(self, width: int, prior: float, weight: float) -> float:
-        """E[tokens emitted] verifying the first `width` nodes of its tree (1 = the root alone)."""
-        depths = self.depths[:width] if self.depths else list(range(width))
-        reach = max(depths) if depths else 0
-        return 1.0 + sum(self.p_accept(d, prior, weight) for d in range(1, reach + 1))
+        """E[tokens emitted] verifying the first `width` nodes of its tree (1 = the root alone): its
+        own history at that width shrunk towards a chain's prior (sum of prior^d over the w - 1
+        depths), and never below what a narrower width expects."""
+        guess = sum(prior ** d for d in range(1, width))
+        mean = (self.accepted.get(width, 0.0) + weight * guess) / (self.steps.get(width, 0.0) + weight)
+        narrower = [self.accepted[w] / self.steps[w] for w in self.steps if w < width]
+        return 1.0 + max([mean, *narrower])
 
 
 class StepCost:
-    """T(n): seconds of a verifier forward over n tokens, interpolated log-log between measured
-    points and scaled by the running ratio of observed to predicted step times."""
+    """T(n, width): seconds of a verifier step over n tokens, `width` per row. The one-row forward
+    measured at start (interpolated log-log between the measured n, linear beyond), times the
+    running ratio of observed to predicted step times of that width (a width never observed takes
+    the correction of the widest narrower one observed: a wider step is not assumed cheaper)."""
 
     def __init__(self, points: dict[int, float] | None = None):
         self.points = dict(points or {})
-        self.scale = 1.0
+        self.scales: dict[int, float] = {}  # step width -> observed / calibrated
 
     def calibrate(self, forward, cache_rows: int, max_tokens: int, repeats: int = 3) -> "StepCost":
         """Time one row's forward of n = 1, 2, 4, ... max_tokens tokens on an empty cache row."""
@@ -100,25 +120,35 @@ class StepCost:
             n *= 2
         return self
 
-    def __call__(self, n: int) -> float:
+    def scale(self, width: int) -> float:
+        if width in self.scales:
+            return self.scales[width]
+        narrower = [w for w in self.scales if w < width]
+        return self.scales[max(narrower)] if narrower else 1.0
+
+    def base(self, n: int) -> float:
+        """The calibrated one-row time of n tokens."""
         if not self.points:
             return float(n)  # uncalibrated: proportional to the tokens
         xs = sorted(self.points)
         if n <= xs[0]:
-            return self.scale * self.points[xs[0]]
+            return self.points[xs[0]]
         if n >= xs[-1]:  # beyond the largest measured: linear in n
-            return self.scale * self.points[xs[-1]] * n / xs[-1]
+            return self.points[xs[-1]] * n / xs[-1]
         hi = next(x for x in xs if x >= n)
         lo = max(x for x in xs if x <= n)
         if hi == lo:
-            return self.scale * self.points[lo]
+            return self.points[lo]
         t = (math.log(n) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return self.scale * math.exp((1 - t) * math.log(self.points[lo]) + t * math.log(self.points[hi]))
+        return math.exp((1 - t) * math.log(self.points[lo]) + t * math.log(self.points[hi]))
 
-    def observe(self, n: int, seconds: float, momentum: float = 0.9) -> None:
-        predicted = self(n) / self.scale
+    def __call__(self, n: int, width: int = 1) -> float:
+        return self.scale(width) * self.base(n)
+
+    def observe(self, n: int, seconds: float, width: int = 1, momentum: float = 0.9) -> None:
+        predicted = self.base(n)
         if predicted > 0:
-            self.scale = momentum * self.scale + (1 - momentum) * seconds / predicted
+            self.scales[width] = momentum * self.scale(width) + (1 - momentum) * seconds / predicted
 
 
 class AdaptiveBudget:
@@ -146,10 +176,10 @@ class AdaptiveBudget:
         stats = [self._row(r) for r in rows]
         best = (sum(1.0 for _ in rows) / self.cost(B), 1, [False] * B)  # plain decoding
         for width in self.widths[1:]:
-            gains = [(s.expected(width, self.prior, self.weight) - 1.0, s.propose_s or 0.0) for s in stats]
+            gains = [(s.expected(width, self.prior, self.weight) - 1.0, s.work_s or 0.0) for s in stats]
             order = sorted(range(B), key=lambda b: -gains[b][0] / (gains[b][1] + 1e-6))
             draft = [False] * B
-            tokens, spent = float(B), self.cost(B * width)
+            tokens, spent = float(B), self.cost(B * width, width)
             for b in order:  # add rows by gain per second of proposing while the rate rises
                 gain, cost = gains[b]
                 if gain <= 0 or (tokens + gain) / (spent + cost) <= tokens / spent:
@@ -165,31 +195,17 @@ class AdaptiveBudget:
         self.drafting.update(draft)
         return [width - 1 if d else 0 for d in draft]
 
-    def observe(self, rows, trees, accepted, tokens: int, seconds: float, propose_s: list[float]) -> None:
-        self.cost.observe(tokens, seconds)
-        for request, tree, acc, spent in zip(rows, trees, accepted, propose_s):
-            stats = self._row(request)
+    def observe(self, rows, trees, paths, tokens: int, seconds: float, work_s: list[float]) -> None:
+        """One decoding step: its trees, each row's accepted path (node indices, root first), the
+        verifier's `tokens` (B x the step's width) and `seconds`, and each row's own work (work_s)."""
+        width = tokens // max(len(rows), 1)
+        self.cost.observe(tokens, seconds, width)
+        for request, tree, path, spent in zip(rows, trees, paths, work_s):
             if tree.size == 1:
                 continue  # a plain step says nothing about the drafts
-            depths = (tree.buffers.depths if tree.buffers is not None else _depths(tree)).tolist()
-            if len(depths) >= len(stats.depths):
-                stats.depths = depths  # the widest tree it proposed: what a wider step would verify
-            reach = max(depths)
-            for d in range(1, reach + 1):
-                if len(stats.tries) < d:
-                    stats.tries.append(0.0)
-                    stats.hits.append(0.0)
-                stats.tries[d - 1] += 1
-                stats.hits[d - 1] += acc >= d
-            stats.propose_s = spent if stats.propose_s is None else 0.8 * stats.propose_s + 0.2 * spent
-
-
-def _depths(tree) -> torch.Tensor:
-    parents = tree.parents.tolist()
-    depths = [0] * len(parents)
-    for i, p in enumerate(parents[1:], start=1):
-        depths[i] = depths[p] + 1
-    return torch.tensor(depths)
+            stats = self._row(request)
+            stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
+            stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
 
 
 BUDGETS = {"fixed": FixedBudget, "adaptive": AdaptiveBudget}

@@ -383,10 +383,12 @@ class Engine:
         starts = torch.tensor([0] + [t.size for t in trees], device=self.device).cumsum(0)  # each row's first node
         greedy = self._plain_greedy(rows, trees, logits, starts)  # root-only greedy rows, in one argmax
         results, moved = [], False
+        work_s = list(propose_s)  # each row's own work: its proposal, its rule, its proposer's update
         for b, (request, tree) in enumerate(zip(rows, trees)):
             if b in greedy:
                 results.append(([0], greedy[b]))
                 continue
+            t = time.perf_counter()
             start, n = int(starts[b]), tree.size
             rule = sampling.get_rule(request.rule_name)  # looked up per call, so a test can swap a rule in
             randomness = request.noise.at(len(request.ids)) if request.noise is not None else request.generator
@@ -395,11 +397,13 @@ class Engine:
                 order[b, : len(path)] = torch.as_tensor(path, device=self.device)
                 moved = True
             results.append((path, next_token))
+            work_s[b] += time.perf_counter() - t
         if moved:  # (every row's path a chain prefix: nothing to move)
             base = torch.tensor([r.cache_len for r in rows], device=self.device)
             self.forward.cache.compact(len(rows), base, order)
         layer_of = {layer: j for j, layer in enumerate(capture)}
         for b, (request, tree, ran, (path, next_token)) in enumerate(zip(rows, trees, proposed, results)):
+            t = time.perf_counter()
             n = tree.size
             extra = {}
             if request.capture:
@@ -407,13 +411,14 @@ class Engine:
                 parts = [captured[b, :n, layer_of[i] * H:(layer_of[i] + 1) * H] for i in request.capture]
                 extra["layer_hidden"] = torch.cat(parts, dim=-1)  # (n, L*H)
             self._accept(request, tree, path, next_token, hidden[b, :n], extra, ran)
+            work_s[b] += time.perf_counter() - t
         sync_device(self.device)
         t3 = time.perf_counter()
         for request, tree, (path, _) in zip(rows, trees, results):
             request.steps[-1] = StepStats(num_nodes=tree.size, accepted=len(path) - 1,
                                           emitted=request.steps[-1].emitted, time_s=t3 - t0, propose_s=t1 - t0,
                                           verify_s=t2 - t1, accept_s=t3 - t2)
-        self.budget.observe(rows, trees, [len(p) - 1 for p, _ in results], inputs.tokens.numel(), t2 - t1, propose_s)
+        self.budget.observe(rows, trees, [path for path, _ in results], inputs.tokens.numel(), t2 - t1, work_s)
         self.last_step = {"rows": len(rows), "width": width, "drafting": sum(proposed), "verify_s": t2 - t1}
 
     @staticmethod

@@ -4,6 +4,7 @@ DraftsmithError into one line and exit status 2. On the floor below train/ and d
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import subprocess
@@ -114,13 +115,14 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
     return mistyped_override(cfg, full, args) or (source_key_problem(full.data) if "data" in full else None)
 
 
-def config_groups(config_name: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def config_groups(config_name: str) -> frozenset[str]:
     """The config groups conf/<config_name>.yaml's defaults list chooses (`model`, `decode@...`)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         choices = compose(config_name=config_name, return_hydra_config=True).hydra.runtime.choices
-    return {str(key) for key in choices if not str(key).startswith("hydra")}
+    return frozenset(str(key) for key in choices if not str(key).startswith("hydra"))
 
 
 # what a choice of a group the script does not take means instead

@@ -34,6 +34,7 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@pytest.mark.heavy
 def test_every_stage_runs_and_reports_its_numbers(tmp_path):
     proc, report = device_check(tmp_path / "out")
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
@@ -77,6 +78,7 @@ def test_every_stage_runs_and_reports_its_numbers(tmp_path):
     assert "failed stages: none" in table
 
 
+@pytest.mark.heavy
 def test_a_broken_stage_is_recorded_and_the_next_one_runs(tmp_path):
     """EAGLE-3 refused by its trainer (a mistyped override) and the draft stopped at a 1-second
     limit: both failed with their one-line reasons, the launch after them trained, and decoding

@@ -160,9 +160,14 @@ def entry_config(script: str) -> str:
     return match.group(1)
 
 
+CHECKED: set[tuple[str, ...]] = set()  # invocations that passed (pages repeat commands; experiments share steps)
+
+
 def check(invocation: list[str], where: str) -> None:
     from draftsmith.models.entry import config_problem
 
+    if tuple(invocation) in CHECKED:
+        return
     script, args = invocation[0], invocation[1:]
     for a in args:
         assert "<" not in a and a != "..." and not a.endswith("..."), f"placeholder {a!r} in {where}"
@@ -170,6 +175,7 @@ def check(invocation: list[str], where: str) -> None:
     problem = config_problem(name, args)
     assert problem is None, f"{where}: {problem}"
     compose_config(name, [a for a in args if not a.startswith("-")])  # Hydra accepts every override
+    CHECKED.add(tuple(invocation))
 
 
 COMMANDS = [(page, c) for page in documented_pages() for c in page_commands(page)] + yaml_commands()
@@ -215,6 +221,7 @@ def test_the_readme_is_a_short_page_for_users():
     opening = [c for c in blocks[0].splitlines() if c.strip() and not c.lstrip().startswith("#")]
     assert opening == list(README_OPENING), "the README opens with its two set-up commands, verbatim and in order"
     assert README_OPENING[1] in (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile -m heavy" in (ROOT / ".ci" / "run").read_text()  # then the heavy tests
 
 
 ISSUE_REF = re.compile(r"(?<![\w&])#\d+\b")  # "(issue #13)", "#13's"; not "&#39;" nor a URL's anchor

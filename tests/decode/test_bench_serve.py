@@ -31,6 +31,7 @@ def toy_config(tiny_model_dir, tmp_path, *extra):
         "min_requests=2", "warmup_requests=1", "threads=1", f"output_dir={tmp_path / 'bench'}", *extra])
 
 
+@pytest.mark.heavy  # real server processes, one per row
 def test_the_draftsmith_rows_at_toy_size(tiny_model_dir, tmp_path):
     report = bench_serve.run(toy_config(tiny_model_dir, tmp_path))
     out = tmp_path / "bench"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.decode.budget import AdaptiveBudget, FixedBudget, StepCost, make_budget
+from draftsmith.decode.budget import AdaptiveBudget, FixedBudget, RowStats, StepCost, make_budget
 from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.models.errors import DraftsmithError
@@ -22,10 +22,10 @@ def taught(policy: AdaptiveBudget, rows, accept: float, depth: int = 7, propose_
     """Give each row a history: trees of `depth` nodes in a chain, each depth accepted w.p. `accept`."""
     chain = DraftTree(tokens=torch.zeros(depth + 1, dtype=torch.long), parents=torch.arange(-1, depth))
     for _ in range(50):
-        accepted = [int(sum(torch.rand(depth).cumprod(0) * 0 + (torch.rand(depth) < accept).cumprod(0)))
-                    for _ in rows]
-        policy.observe(rows, [chain] * len(rows), accepted, len(rows), 0.01, [propose_s] * len(rows))
-    policy.cost.scale = 1.0  # (observe moved it; the test sets the machine)
+        accepted = [int((torch.rand(depth) < accept).cumprod(0).sum()) for _ in rows]
+        paths = [list(range(a + 1)) for a in accepted]
+        policy.observe(rows, [chain] * len(rows), paths, len(rows) * 8, 0.01, [propose_s] * len(rows))
+    policy.cost.scales.clear()  # (observe moved them; the test sets the machine)
 
 
 def test_step_cost_interpolates_and_follows_the_observed_steps():
@@ -35,6 +35,43 @@ def test_step_cost_interpolates_and_follows_the_observed_steps():
     for _ in range(100):
         cost.observe(4, 0.024)  # this machine is twice as slow as calibrated
     assert cost(4) == pytest.approx(0.024, rel=1e-3) and cost(16) == pytest.approx(0.048, rel=1e-3)
+
+
+def test_each_width_learns_its_own_correction():
+    """B rows W wide are not one row of B * W tokens: a wide step slower than the one-row calibration
+    corrects the wide steps only, and the policy steps aside (one shared correction scaled the plain
+    step too and kept the wrong ratio for ever)."""
+    policy = AdaptiveBudget(bandwidth_bound(knee=16))
+    rows = [Row() for _ in range(8)]
+    taught(policy, rows, accept=0.5)
+    width, draft = policy.plan(rows)
+    assert width > 1 and any(draft)
+    for _ in range(60):
+        policy.cost.observe(8, policy.cost.base(8), 1)  # the plain step: as calibrated
+        policy.cost.observe(8 * width, 3 * policy.cost.base(8 * width), width)  # the wide one: 3x
+    assert policy.cost(8) == pytest.approx(policy.cost.base(8), rel=1e-3)
+    assert policy.cost(8 * width, width) == pytest.approx(3 * policy.cost.base(8 * width), rel=1e-2)
+    assert policy.cost(16 * width, 2 * width) == pytest.approx(3 * policy.cost.base(16 * width), rel=1e-2)  # wider: no cheaper
+    assert policy.plan(rows)[0] < width
+
+
+def test_a_narrow_cut_is_judged_by_what_it_would_have_accepted():
+    """A row whose tree is accepted through its third sibling (root -> 3 -> 4): a cut to 2 nodes
+    would have accepted nothing, to 4 one token, the whole tree two (the old per-depth estimate
+    gave every cut the whole tree's acceptance at the depths it reached)."""
+    stats = RowStats()
+    for _ in range(20):  # nodes 1, 2, 3 at depth 1; node 4 under node 3: 5 nodes, not cut
+        stats.record([0, 3, 4], size=5, cut=False, widths=(2, 4, 8, 16))
+    assert stats.expected(2, 0.5, 2.0) == pytest.approx(1 + 1 / 22)  # the prior's weight alone
+    assert stats.expected(4, 0.5, 2.0) == pytest.approx(1 + (20 + 2 * 0.875) / 22)
+    assert stats.expected(8, 0.5, 2.0) == pytest.approx(1 + (40 + 2 * sum(0.5 ** d for d in range(1, 8))) / 22)
+    cut = RowStats()  # a tree cut to 4 nodes tells nothing about 8: the narrower cut's own mean stands
+    for _ in range(20):
+        cut.record([0, 3], size=4, cut=True, widths=(2, 4, 8, 16))
+    assert cut.steps == {2: 20, 4: 20} and cut.expected(8, 0.5, 2.0) == pytest.approx(2.0)
+    policy = AdaptiveBudget(bandwidth_bound(knee=16))
+    policy.stats[row := Row()] = stats
+    assert policy.plan([row])[0] >= 8  # one row, verification nearly free: the whole tree
 
 
 def test_speculates_at_low_load_and_steps_aside_as_the_batch_grows():

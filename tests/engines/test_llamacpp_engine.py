@@ -41,7 +41,7 @@ from scripts.export import run as export
 from tests.engines.conftest import model_overrides
 from tests.hub import compose_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 N_DRAFT = 3  # llama-server --spec-draft-n-max, and draftsmith's chain length
 NEW_TOKENS = 32

@@ -63,6 +63,7 @@ def verifier_ggufs(llamacpp_verifier, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("lm_head,dtype,nbr", [("own", "float32", False), ("gathered", "bfloat16", True)])
 def test_eagle3_gguf_is_what_llamacpp_converter_writes(llamacpp_verifier, verifier_ggufs, tmp_path, lm_head, dtype,
                                                        nbr):
@@ -137,6 +138,7 @@ def _draft_reduced(verifier_dir, folder):
                             draft_vocab=torch.arange(64))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("make,dtype,why", [
     (_medusa, "float32", "Medusa heads"),
     (_eagle1, "float32", "EAGLE-1"),
@@ -157,6 +159,7 @@ def test_what_llamacpp_cannot_run_is_refused_in_one_line(llamacpp_verifier, tmp_
     assert not (tmp_path / "gguf").exists()
 
 
+@pytest.mark.heavy
 def test_a_verifier_folder_without_architectures_converts(llamacpp_verifier, verifier_ggufs, tmp_path):
     """transformers saves a model loaded from a GGUF (draftsmith's converted SmolLM2) with no
     `architectures` in config.json, by which alone llama.cpp's converter picks its model class."""

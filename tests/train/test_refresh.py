@@ -340,6 +340,7 @@ def test_a_killed_refresh_resumes_to_the_uninterrupted_result(loop_dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_refresh_runs_under_accelerate_launch_on_two_processes(loop_dirs):
     root = loop_dirs["root"]
     cmd = ["accelerate", "launch", "--config_file", "conf/accelerate/cpu-2proc.yaml", "scripts/refresh.py",

@@ -151,6 +151,7 @@ def test_cli_entry_point(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_split_the_prompts_and_merge(model_dir, tmp_path):
     """accelerate launch with 2 CPU processes: each answers half the prompts into its part
     file, process 0 merges; greedy answers equal a 1-process run's, prompt for prompt."""

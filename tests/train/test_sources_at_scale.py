@@ -86,6 +86,7 @@ def load_script(name: str):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_build_data_on_the_mix_preset_is_over_a_million_tokens(tmp_path):
     """The documented build (python scripts/build_data.py data=mix), capped for time: the full
     mix is ~20k conversations; 2,000 of them evenly over both sources already exceed 1M tokens."""
