@@ -12,9 +12,9 @@
                 narrower cut: RowStats), shrunk towards a chain's prior of `prior` per depth;
         T(n)    the verifier forward's time for n tokens in the step on this machine: measured at
                 start on one row for n = 1, 2, 4, ... (StepCost.calibrate), times a correction per
-                step width learned from the steps themselves (B rows W wide are not one row of
-                B * W tokens: every row reads its own cache; a single shared correction would keep
-                a wrong ratio of wide to plain steps for ever);
+                step shape (W, B) learned from the steps themselves (B rows W wide are not one row
+                of B * W tokens on an empty cache: every row reads its own cache; one shared
+                correction would keep a wrong ratio of wide to plain steps for ever);
         c_b     the row's own work when it drafts: its proposal, its acceptance rule and its
                 proposer's update (a running mean of its own).
 
@@ -65,10 +65,12 @@ class RowStats:
     accepted: dict[int, float] = field(default_factory=dict)  # width -> drafted tokens a cut to it accepted, summed
     steps: dict[int, float] = field(default_factory=dict)  # width -> steps that tell (the tree had >= width nodes)
     work_s: float | None = None  # running mean of its own work on a drafting step (propose, accept, update)
+    memo: dict = field(default_factory=dict, repr=False)  # width -> expected(width), until the next record
 
     def record(self, path: list[int], size: int, cut: bool, widths) -> None:
         """A drafting step: its accepted `path` (node indices, root first) in a tree of `size` nodes,
         `cut` when the budget may have cut it (then wider steps are not told)."""
+        self.memo.clear()
         for width in widths:
             if width > size and cut:
                 break
@@ -84,21 +86,25 @@ class RowStats:
         """E[tokens emitted] verifying the first `width` nodes of its tree (1 = the root alone): its
         own history at that width shrunk towards a chain's prior (sum of prior^d over the w - 1
         depths), and never below what a narrower width expects."""
-        guess = sum(prior ** d for d in range(1, width))
-        mean = (self.accepted.get(width, 0.0) + weight * guess) / (self.steps.get(width, 0.0) + weight)
-        narrower = [self.accepted[w] / self.steps[w] for w in self.steps if w < width]
-        return 1.0 + max([mean, *narrower])
+        if (width, prior, weight) not in self.memo:
+            guess = sum(prior ** d for d in range(1, width))
+            mean = (self.accepted.get(width, 0.0) + weight * guess) / (self.steps.get(width, 0.0) + weight)
+            narrower = [self.accepted[w] / self.steps[w] for w in self.steps if w < width]
+            self.memo[width, prior, weight] = 1.0 + max([mean, *narrower])
+        return self.memo[width, prior, weight]
 
 
 class StepCost:
-    """T(n, width): seconds of a verifier step over n tokens, `width` per row. The one-row forward
-    measured at start (interpolated log-log between the measured n, linear beyond), times the
-    running ratio of observed to predicted step times of that width (a width never observed takes
-    the correction of the widest narrower one observed: a wider step is not assumed cheaper)."""
+    """T(n, width): seconds of a verifier step over n tokens, `width` per row (n / width rows). The
+    one-row forward measured at start on an empty cache (interpolated log-log between the measured
+    n, linear beyond), times a correction per (width, rows) learned from the steps themselves: the
+    first step of a shape sets it, later ones move it by a running mean. A shape never seen takes
+    the largest correction of the narrower-or-equal, fewer-or-equal shapes seen (a step is not
+    assumed cheaper than its calibration because it is wider or fuller), else 1."""
 
     def __init__(self, points: dict[int, float] | None = None):
         self.points = dict(points or {})
-        self.scales: dict[int, float] = {}  # step width -> observed / calibrated
+        self.scales: dict[tuple[int, int], float] = {}  # (width, rows) -> observed / calibrated
 
     def calibrate(self, forward, cache_rows: int, max_tokens: int, repeats: int = 3) -> "StepCost":
         """Time one row's forward of n = 1, 2, 4, ... max_tokens tokens on an empty cache row."""
@@ -120,11 +126,11 @@ class StepCost:
             n *= 2
         return self
 
-    def scale(self, width: int) -> float:
-        if width in self.scales:
-            return self.scales[width]
-        narrower = [w for w in self.scales if w < width]
-        return self.scales[max(narrower)] if narrower else 1.0
+    def scale(self, width: int, rows: int) -> float:
+        if (width, rows) in self.scales:
+            return self.scales[width, rows]
+        seen = [s for (w, b), s in self.scales.items() if w <= width and b <= rows]
+        return max(seen) if seen else 1.0
 
     def base(self, n: int) -> float:
         """The calibrated one-row time of n tokens."""
@@ -143,12 +149,13 @@ class StepCost:
         return math.exp((1 - t) * math.log(self.points[lo]) + t * math.log(self.points[hi]))
 
     def __call__(self, n: int, width: int = 1) -> float:
-        return self.scale(width) * self.base(n)
+        return self.scale(width, max(n // width, 1)) * self.base(n)
 
     def observe(self, n: int, seconds: float, width: int = 1, momentum: float = 0.9) -> None:
-        predicted = self.base(n)
+        predicted, key = self.base(n), (width, max(n // width, 1))
         if predicted > 0:
-            self.scales[width] = momentum * self.scale(width) + (1 - momentum) * seconds / predicted
+            ratio = seconds / predicted
+            self.scales[key] = ratio if key not in self.scales else momentum * self.scales[key] + (1 - momentum) * ratio
 
 
 class AdaptiveBudget:

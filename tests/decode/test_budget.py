@@ -37,22 +37,26 @@ def test_step_cost_interpolates_and_follows_the_observed_steps():
     assert cost(4) == pytest.approx(0.024, rel=1e-3) and cost(16) == pytest.approx(0.048, rel=1e-3)
 
 
-def test_each_width_learns_its_own_correction():
+def test_each_step_shape_learns_its_own_correction():
     """B rows W wide are not one row of B * W tokens: a wide step slower than the one-row calibration
-    corrects the wide steps only, and the policy steps aside (one shared correction scaled the plain
-    step too and kept the wrong ratio for ever)."""
+    corrects the wide steps only, at once, and the policy steps aside (one shared correction scaled
+    the plain step too and kept the wrong ratio for ever)."""
     policy = AdaptiveBudget(bandwidth_bound(knee=16))
     rows = [Row() for _ in range(8)]
     taught(policy, rows, accept=0.5)
     width, draft = policy.plan(rows)
     assert width > 1 and any(draft)
-    for _ in range(60):
-        policy.cost.observe(8, policy.cost.base(8), 1)  # the plain step: as calibrated
-        policy.cost.observe(8 * width, 3 * policy.cost.base(8 * width), width)  # the wide one: 3x
-    assert policy.cost(8) == pytest.approx(policy.cost.base(8), rel=1e-3)
-    assert policy.cost(8 * width, width) == pytest.approx(3 * policy.cost.base(8 * width), rel=1e-2)
-    assert policy.cost(16 * width, 2 * width) == pytest.approx(3 * policy.cost.base(16 * width), rel=1e-2)  # wider: no cheaper
+    policy.cost.observe(8, policy.cost.base(8), 1)  # the plain step: as calibrated
+    policy.cost.observe(8 * width, 3 * policy.cost.base(8 * width), width)  # the wide one: 3x, from its first step
+    assert policy.cost(8) == pytest.approx(policy.cost.base(8))
+    assert policy.cost(8 * width, width) == pytest.approx(3 * policy.cost.base(8 * width))
+    assert policy.cost(16 * width, 2 * width) == pytest.approx(3 * policy.cost.base(16 * width))  # wider: no cheaper
+    assert policy.cost(16 * width, width) == pytest.approx(3 * policy.cost.base(16 * width))  # fuller: no cheaper
+    assert policy.cost(4) == pytest.approx(policy.cost.base(4))  # fewer rows plain: not told, calibrated
     assert policy.plan(rows)[0] < width
+    for _ in range(40):  # later steps of the shape: a running mean
+        policy.cost.observe(8 * width, policy.cost.base(8 * width), width)
+    assert policy.cost(8 * width, width) == pytest.approx(policy.cost.base(8 * width), rel=0.05)
 
 
 def test_a_narrow_cut_is_judged_by_what_it_would_have_accepted():
