@@ -97,7 +97,10 @@ def config_problem(config_name: str, argv: list[str]) -> str | None:
             continue
         group = key.split("@", 1)[0]
         if "@" not in key:
-            groups = config_groups(config_name) if groups is None else groups
+            try:
+                groups = config_groups(config_name) if groups is None else groups
+            except Exception:  # the config does not compose as it stands: Hydra reports why
+                return None
             if key not in groups:
                 return f"{key}={value}: {config_name} takes no {key}= ({GROUP_HINTS.get(key, 'no such group here')})"
         options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
