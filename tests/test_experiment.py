@@ -17,7 +17,7 @@ import pytest
 from draftsmith.models.errors import DraftsmithError
 from scripts import experiment as runner
 from tests.hub import compose_config
-from tests.test_documented_commands import check
+from tests.commands import check
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))

@@ -224,7 +224,7 @@ def test_the_pages_commands_run(setup, server_binary, tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from tests.test_documented_commands import entry_config
+    from tests.commands import entry_config
 
     monkeypatch.chdir(tmp_path)
     tiny = [f"model.path={setup['dir']}", "model.source=hf", "model.dtype=float32"]

@@ -39,7 +39,7 @@ def test_every_main_config_composes_with_every_model(main, model):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_yaml_starts_with_the_command_that_uses_it(group):
-    from tests.test_documented_commands import first_line
+    from tests.commands import first_line
 
     for path in sorted((CONF / group).glob("*.yaml")) + sorted(CONF.glob("*.yaml")):
         first = first_line(path)  # (after Hydra's `# @package` header, where one is needed)
