@@ -4,12 +4,16 @@ The drafter (models/eagle.py) has one decoder layer and its own KV cache (decode
 Drafter cache slot j holds the input pair (x_{j+1}, f_j): the token at position j+1 and the verifier's
 feature at position j (EAGLE-1: the final hidden state; EAGLE-3: the fused low/mid/high layer
 states). Only pairs whose feature came from the verifier are kept between steps ("committed");
-drafted nodes are appended while a tree is built and cropped afterwards.
+drafted nodes live in a per-step copy of the cache and are dropped with it.
 
-One step (``propose``):
+One step (``propose_batch``; ``propose`` is one row of it). The rows of a batch that draft with
+the same drafter and tree (``batch_key``; a server's rows are forks of one proposer) draft
+TOGETHER: their caches are stacked side by side, padded (``DrafterStack``), and every stage
+below is ONE drafter forward and one lm_head call for all of them:
   1. the pending pairs (every accepted node of the last verification with the token after it;
-     at the first step the whole prompt) go through the drafter in one causal forward on the
-     cache; the last output predicts the feature after the root, whose logits give depth 1;
+     at the first step the whole prompt: a backlog longer than CATCH_UP goes first, alone) go
+     through the drafter in one causal forward on the cache, and stay in the row's own cache;
+     the last output predicts the feature after the root, whose logits give depth 1;
   2. the tree is grown depth by depth, each depth ONE drafter forward over the nodes expanded
      there (their parents' predicted features as input, a tree mask over the cache):
      - static trees (Medusa-style path lists; a chain is one): node (i0, .., id) takes the
@@ -17,8 +21,11 @@ One step (``propose``):
      - dynamic trees (EAGLE-2): every node scores its cumulative draft log-probability; at each
        depth the top_k best nodes are expanded, each into its top_k children, up to `depth`;
        then all drafted nodes are reranked and the best `total_tokens - 1` kept (a child never
-       outranks its parent, so the kept set is a valid tree);
-  3. the drafted slots are cropped from the drafter cache.
+       outranks its parent, so the kept set is a valid tree).
+Each row's tree is built by its own generator (``_static_tree`` / ``_dynamic_tree``), which
+asks for top-k lists and node forwards; ``_drive`` serves a stage's asks of every row at once.
+A query sees only its own row's slots at its own positions, so a row drafts what it would
+alone (the same tokens, up to the rounding of a wider matmul).
 
 Children are deterministic functions of the context (top-k; q = delta), at every temperature,
 so the engine's rules accept losslessly: greedy at T=0, recursive rejection sampling with
@@ -38,8 +45,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
-from draftsmith.decode.cache import new_cache
+from draftsmith.decode.cache import BufferedLayer, new_cache
 from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain
 from draftsmith.decode.quant import QUANTS, int8_copy
 from draftsmith.decode.sampling import SamplingParams
@@ -98,6 +106,9 @@ class EagleProposer(Proposer):
             self.has_children = [False] * len(plist)
             for p in plist[1:]:
                 self.has_children[p] = True
+            self.by_depth: list[list[int]] = [[] for _ in range(self.depth + 1)]  # nodes of each depth
+            for i, d in enumerate(self.static_depths):
+                self.by_depth[d].append(i)
             self.is_chain = _is_chain(plist)
         self.cache = None
 
@@ -136,6 +147,16 @@ class EagleProposer(Proposer):
         return self.drafter.input_features(hidden.to(self.dtype),
                                            None if layer_hidden is None else layer_hidden.to(self.dtype))
 
+    @torch.no_grad()
+    def _feed_alone(self, n: int) -> None:
+        """The first n pending pairs through the drafter on this row's own cache (causal), committed."""
+        tokens = torch.tensor(self.pending_tokens[:n], dtype=torch.long, device=self.device)  # (n,)
+        position_ids = torch.arange(self.committed, self.committed + n, device=self.device)[None]  # (1, n)
+        self.drafter(self._embed(tokens)[None], self.pending_feats[None, :n], position_ids=position_ids,
+                     cache=self.cache)
+        self.committed += n
+        self.pending_tokens, self.pending_feats = self.pending_tokens[n:], self.pending_feats[n:]
+
     # ------------------------------------------------------------------ drafter calls
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -145,99 +166,91 @@ class EagleProposer(Proposer):
         """(m, H) predicted features -> (m, N) draft log-probabilities."""
         return torch.log_softmax(self.drafter.logits(feats, self.lm_head).float(), dim=-1)
 
-    def _forward_nodes(self, tokens, feats, depths, anc_slots, n_slots) -> torch.Tensor:
-        """One drafter forward over m new tree nodes appended after the committed pairs and the
-        n_slots drafted ones already in the cache.
+    def batch_key(self):
+        """Rows drafting with the same drafter (forks share it) over the same tree propose together."""
+        tree = ((self.depth, self.top_k, self.total_tokens) if self.dynamic
+                else (tuple(self.static_parents), tuple(self.static_choices)))
+        return (type(self).__name__, id(self.drafter), id(self.embed_tokens), id(self.lm_head), tree)
 
-        tokens (m,) target ids, feats (m, H) their parents' predicted features, depths (m,) tree
-        depths (position = committed - 1 + depth), anc_slots[i]: drafted cache slots node i sees.
-        """
-        m = tokens.numel()
-        allowed = torch.zeros(m, self.committed + n_slots + m, dtype=torch.bool, device=self.device)
-        allowed[:, : self.committed] = True
-        for i, slots in enumerate(anc_slots):
-            if slots:
-                allowed[i, [self.committed + s for s in slots]] = True
-            allowed[i, self.committed + n_slots + i] = True
-        mask = additive_mask(allowed, self.dtype)  # (m, kv)
-        position_ids = (self.committed - 1 + depths.to(self.device))[None]  # (1, m)
-        out = self.drafter(self._embed(tokens)[None], feats[None], attention_mask=mask[None, None],
-                           position_ids=position_ids, cache=self.cache)
-        return out[0]  # (m, H)
-
-    @torch.no_grad()
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
-        tokens = torch.tensor(self.pending_tokens + [root], dtype=torch.long, device=self.device)  # (m,)
-        feats = self.pending_feats  # (m, H)
-        position_ids = torch.arange(self.committed, self.committed + tokens.numel(), device=self.device)[None]
-        out = self.drafter(self._embed(tokens)[None], feats[None], position_ids=position_ids, cache=self.cache)
-        self.committed += tokens.numel()
-        root_feat = out[0, -1]  # (H,): the predicted feature after the root
-        self.pending_tokens, self.pending_feats = [], feats[:0]
-        if self.depth == 0:
-            tree = DraftTree(tokens=torch.tensor([root], device=self.device), parents=self.buffers.parents,
-                             buffers=self.buffers, is_chain=True)
-        elif self.dynamic:
-            tree = self._dynamic_tree(root, root_feat)
-        else:
-            tree = self._static_tree(root, root_feat)
-        drafted = self.cache.get_seq_length() - self.committed
-        if drafted:
-            self.cache.crop(-drafted)  # negative = drop the last `drafted` slots (transformers 5)
-        return tree
+        return self.propose_batch([self], [root], [hidden], [ids])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_batch(proposers, roots, hiddens, ids) -> list[DraftTree]:
+        """Every row's tree with ONE drafter forward per stage for all rows: the pending pairs,
+        then each depth's expanded nodes (DrafterStack); one lm_head call per depth."""
+        first = proposers[0]
+        stack = DrafterStack(proposers, roots, *first._placeholders())
+        if first.depth == 0:
+            return [DraftTree(tokens=torch.tensor([r], device=first.device), parents=first.buffers.parents,
+                              buffers=first.buffers, is_chain=True) for r in roots]
+        return first._trees(proposers, roots, stack)
+
+    def _placeholders(self) -> tuple[int, int | None, torch.Tensor | None]:
+        """Extra slots fed after each row's root in the first forward: (count, token, feature)."""
+        return 0, None, None
+
+    def _drafted_slots(self) -> int:
+        """Drafter cache slots a tree's expanded nodes take (static: nodes with children)."""
+        return (self.depth - 1) * self.top_k if self.dynamic else sum(self.has_children[1:])
+
+    def _trees(self, proposers, roots, stack: DrafterStack) -> list[DraftTree]:
+        builders = [p._dynamic_tree(r, f) if p.dynamic else p._static_tree(r, f)
+                    for p, r, f in zip(proposers, roots, stack.root_out)]
+        return _drive(builders, stack, self)
 
     # ------------------------------------------------------------------ trees
+    # A tree builder is a generator: it yields what it needs from the drafter and receives it,
+    #   ("top", feats (f, H), k) -> (log-probs (f, k) float64 on the CPU, verifier ids (f, k))
+    #   ("nodes", tokens (g,), feats (g, H), depths (g,), ancestors [[slot, ..]] * g)
+    #       -> (predicted features (g, H), the drafted slot of the first node; the others follow)
+    # and returns its DraftTree; `_drive` serves every row's request of a stage in one call.
 
-    def _static_tree(self, root: int, root_feat: torch.Tensor) -> DraftTree:
+    def _static_tree(self, root: int, root_feat: torch.Tensor):
         n = len(self.static_parents)
         tokens = torch.empty(n, dtype=torch.long, device=self.device)
         tokens[0] = root
         feat = {0: root_feat}  # node -> predicted feature after it (nodes with children only)
-        slot: dict[int, int] = {}  # node -> drafter cache slot (after the committed pairs)
-        by_depth: list[list[int]] = [[] for _ in range(self.depth + 1)]
-        for i, d in enumerate(self.static_depths):
-            by_depth[d].append(i)
+        slot: dict[int, int] = {}  # node -> drafted slot in the stacked cache
         for d in range(self.depth):
-            parents = [u for u in by_depth[d] if self.has_children[u]]
-            logp = self._log_probs(torch.stack([feat[u] for u in parents]))  # (p, N)
-            top = torch.topk(logp, self.top_k, dim=-1).indices  # (p, k) draft ids
+            parents = [u for u in self.by_depth[d] if self.has_children[u]]
+            _, top = yield "top", torch.stack([feat[u] for u in parents]), self.top_k  # (p, k) verifier ids
             row = {u: r for r, u in enumerate(parents)}
-            children = by_depth[d + 1]
+            children = self.by_depth[d + 1]
             choice = torch.tensor([[row[self.static_parents[c]], self.static_choices[c]] for c in children],
                                   device=self.device)  # (c, 2)
-            tokens[children] = self.drafter.to_target_ids(top[choice[:, 0], choice[:, 1]])
+            tokens[children] = top[choice[:, 0], choice[:, 1]].to(self.device)
             grow = [c for c in children if self.has_children[c]]
             if grow:  # their predicted features: one forward for the whole depth
                 anc = [self._ancestor_slots(c, self.static_parents, slot) for c in grow]
-                n_slots = len(slot)
-                out = self._forward_nodes(tokens[grow], torch.stack([feat[self.static_parents[c]] for c in grow]),
-                                          torch.full((len(grow),), d + 1), anc, n_slots)
+                out, first = yield ("nodes", tokens[grow], torch.stack([feat[self.static_parents[c]] for c in grow]),
+                                    torch.full((len(grow),), d + 1), anc)
                 for j, c in enumerate(grow):
-                    feat[c], slot[c] = out[j], n_slots + j
+                    feat[c], slot[c] = out[j], first + j
         return DraftTree(tokens=tokens, parents=self.buffers.parents, buffers=self.buffers, is_chain=self.is_chain)
 
     @staticmethod
     def _ancestor_slots(node: int, parents: list[int], slot: dict[int, int]) -> list[int]:
-        """Drafter cache slots of node's drafted ancestors (the root's pair is committed)."""
+        """Drafted slots of node's drafted ancestors (the root's pair is committed)."""
         out, u = [], parents[node]
         while u > 0:
             out.append(slot[u])
             u = parents[u]
         return out
 
-    def _dynamic_tree(self, root: int, root_feat: torch.Tensor) -> DraftTree:
+    def _dynamic_tree(self, root: int, root_feat: torch.Tensor):
         """EAGLE-2: expand the top_k nodes by cumulative draft log-prob per depth, then rerank."""
         k = self.top_k
         tok, par, dep, score = [root], [-1], [0], [0.0]  # the pool of drafted nodes; 0 is the root
         feat = {0: root_feat}  # expanded node -> its predicted feature
-        slot: dict[int, int] = {}  # expanded node -> drafter cache slot
+        slot: dict[int, int] = {}  # expanded node -> drafted slot in the stacked cache
         frontier = [0]
         for d in range(1, self.depth + 1):
-            logp = self._log_probs(torch.stack([feat[u] for u in frontier]))  # (f, N)
-            top = torch.topk(logp, k, dim=-1)  # (f, k)
+            values, top = yield "top", torch.stack([feat[u] for u in frontier]), k  # (f, k), (f, k)
             parent_score = torch.tensor([score[u] for u in frontier], dtype=torch.float64)[:, None]  # (f, 1)
-            cum = (parent_score + top.values.double().cpu()).tolist()  # (f, k) cumulative log-probs
-            ids = self.drafter.to_target_ids(top.indices).tolist()  # (f, k) verifier ids
+            cum = (parent_score + values).tolist()  # (f, k) cumulative log-probs
+            ids = top.tolist()  # (f, k) verifier ids
             first = len(tok)
             for r, u in enumerate(frontier):
                 tok += ids[r]
@@ -249,12 +262,10 @@ class EagleProposer(Proposer):
             # expand this depth's best k nodes (ties: the earlier created) in one drafter forward
             frontier = sorted(sorted(range(first, len(tok)), key=lambda i: -score[i])[:k])
             anc = [self._ancestor_slots(c, par, slot) for c in frontier]
-            n_slots = len(slot)
-            out = self._forward_nodes(torch.tensor([tok[c] for c in frontier], device=self.device),
-                                      torch.stack([feat[par[c]] for c in frontier]),
-                                      torch.full((len(frontier),), d), anc, n_slots)  # (f, H)
+            out, start = yield ("nodes", torch.tensor([tok[c] for c in frontier], device=self.device),
+                                torch.stack([feat[par[c]] for c in frontier]), torch.full((len(frontier),), d), anc)
             for j, c in enumerate(frontier):
-                feat[c], slot[c] = out[j], n_slots + j
+                feat[c], slot[c] = out[j], start + j
         return self._rerank(tok, par, dep, score)
 
     def _rerank(self, tok: list[int], par: list[int], dep: list[int], score: list[float]) -> DraftTree:
@@ -271,3 +282,143 @@ class EagleProposer(Proposer):
         parents = [-1] + [new[par[i]] for i in keep[1:]]  # KeyError here would mean an invalid tree
         tokens = torch.tensor([tok[i] for i in keep], dtype=torch.long, device=self.device)
         return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=self.device))
+
+
+CATCH_UP = 16  # pending pairs a row brings to the batched forward; earlier ones (a new row's prompt,
+#                the pairs of many plain steps) go through the drafter alone first, not padded for all rows
+
+
+class DrafterStack:
+    """m rows' drafter caches side by side for one batched proposal (a ragged batch, padded).
+
+    Row b's own cache holds c_b committed pairs; its pending pairs (p_b, the root's pair last)
+    and X placeholder slots (P-EAGLE) are fed by the first forward, here. The stacked cache
+    (m, H_kv, S, D):
+        [0, C)               committed pairs: row b's first c_b slots (C = max c_b)
+        [C, C + P)           pending pairs: row b's first p_b slots (P = max p_b)
+        [C + P, C + P + X)   placeholders
+        [C + P + X, ...)     drafted nodes, appended by ``nodes`` (slot s of every row at C + P + X + s)
+    Every query sees only its own row's real slots (additive mask), at its row's own positions,
+    so each row's outputs are what its own forward would give. The pending pairs' entries go back
+    to the rows' own caches (they are committed); the rest is dropped with the stack.
+    """
+
+    def __init__(self, proposers: list[EagleProposer], roots: list[int], placeholders: int = 0,
+                 placeholder_token: int | None = None, placeholder_feat: torch.Tensor | None = None):
+        first = proposers[0]
+        self.drafter, self.device, self.dtype = first.drafter, first.device, first.drafter.compute_dtype
+        for p in proposers:  # long backlogs go first, alone
+            if len(p.pending_tokens) + 1 > CATCH_UP:
+                p._feed_alone(len(p.pending_tokens) + 1 - CATCH_UP)
+        m, X = len(proposers), placeholders
+        lens = torch.tensor([p.committed for p in proposers], device=self.device)  # (m,) c_b
+        pend = [len(p.pending_tokens) + 1 for p in proposers]  # p_b
+        C, P = int(lens.max()), max(pend)
+        lc = self.drafter.layer_config
+        cap = C + P + X + first._drafted_slots()
+        keys = torch.zeros(m, lc.num_key_value_heads, cap, lc.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        for b, p in enumerate(proposers):
+            if p.committed:
+                own = p.cache.layers[0]
+                keys[b, :, : p.committed], values[b, :, : p.committed] = own.keys[0], own.values[0]
+        self.cache = Cache(layers=[BufferedLayer()])
+        self.cache.layers[0].adopt(keys, values, C)
+
+        # The first forward: each row's pending pairs (index i < p_b), padding (-1), placeholders (p_b + j).
+        H = first.pending_feats.shape[-1]
+        tokens = torch.zeros(m, P + X, dtype=torch.long, device=self.device)
+        feats = torch.zeros(m, P + X, H, dtype=self.dtype, device=self.device)
+        index = torch.full((m, P + X), -1, device=self.device)
+        for b, p in enumerate(proposers):
+            n = pend[b]
+            tokens[b, :n] = torch.tensor(p.pending_tokens + [roots[b]], device=self.device)
+            feats[b, :n] = p.pending_feats
+            index[b, :n] = torch.arange(n, device=self.device)
+            index[b, P:] = n + torch.arange(X, device=self.device)
+        if X:
+            tokens[:, P:], feats[:, P:] = placeholder_token, placeholder_feat
+        real = index >= 0  # (m, P + X)
+        committed = torch.arange(C, device=self.device)[None] < lens[:, None]  # (m, C)
+        sees = real[:, None, :] & (index[:, None, :] <= index[:, :, None])  # (m, q, k) causal within the row
+        sees |= torch.eye(P + X, dtype=torch.bool, device=self.device)  # a pad sees itself alone
+        allowed = torch.cat([committed[:, None, :] & real[:, :, None], sees], dim=2)  # (m, P+X, C+P+X)
+        positions = lens[:, None] + index.clamp(min=0)  # (m, P+X)
+        self.out = self.drafter(first._embed(tokens), feats, attention_mask=additive_mask(allowed, self.dtype)[:, None],
+                                position_ids=positions, cache=self.cache)  # (m, P+X, H)
+        pend_t = torch.tensor(pend, device=self.device)
+        self.root_out = self.out[torch.arange(m, device=self.device), pend_t - 1]  # (m, H) predicted after each root
+        self.pending, self.P = pend, P
+
+        layer = self.cache.layers[0]
+        for b, p in enumerate(proposers):  # the pending pairs are committed: into the row's own cache
+            p.cache.layers[0].update(layer.keys[b:b + 1, :, C:C + pend[b]], layer.values[b:b + 1, :, C:C + pend[b]])
+            p.committed += pend[b]
+            p.pending_tokens, p.pending_feats = [], p.pending_feats[:0]
+        # what a drafted node sees besides its drafted ancestors: its row's committed slots
+        self.base = torch.cat([committed, real & (index < pend_t[:, None])], dim=1)  # (m, C+P+X)
+        self.committed = lens + pend_t  # (m,) the rows' committed pairs; the root's position is one less
+
+    def nodes(self, tokens: torch.Tensor, feats: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
+              real: torch.Tensor, embed) -> tuple[torch.Tensor, int]:
+        """One forward over g drafted nodes per row: tokens (m, g), feats (m, g, H), depths (m, g),
+        ancestors (m, g, S) bool over the S drafted slots so far, real (m, g) bool (the others
+        pad) -> (predicted features (m, g, H), the drafted slot of node 0; node j's is that + j)."""
+        m, g = tokens.shape
+        S = self.cache.get_seq_length() - self.base.shape[1]
+        allowed = torch.cat([self.base[:, None, :] & real[:, :, None], ancestors & real[:, :, None],
+                             torch.eye(g, dtype=torch.bool, device=self.device).expand(m, g, g)], dim=2)
+        positions = self.committed[:, None] - 1 + depths.to(self.device)  # (m, g)
+        out = self.drafter(embed(tokens), feats, attention_mask=additive_mask(allowed, self.dtype)[:, None],
+                           position_ids=positions, cache=self.cache)
+        return out, S
+
+
+def _drive(builders: list, stack: DrafterStack, proposer: EagleProposer) -> list[DraftTree]:
+    """Run every row's tree builder; each stage's requests of all rows are served in one call:
+    one lm_head + top-k over every row's features, one drafter forward over every row's nodes."""
+    m = len(builders)
+    replies, trees = [None] * m, [None] * m
+    live = list(range(m))
+    while live:
+        asks = {}
+        for b in live:
+            try:
+                asks[b] = builders[b].send(replies[b])
+            except StopIteration as done:
+                trees[b] = done.value
+        live = sorted(asks)
+        for k in sorted({asks[b][2] for b in live if asks[b][0] == "top"}):
+            members = [b for b in live if asks[b][0] == "top" and asks[b][2] == k]
+            feats = [asks[b][1] for b in members]
+            top = torch.topk(proposer._log_probs(torch.cat(feats)), k, dim=-1)  # (sum f, k)
+            values, ids = top.values.double().cpu(), proposer.drafter.to_target_ids(top.indices)
+            start = 0
+            for b, f in zip(members, feats):
+                replies[b] = values[start:start + len(f)], ids[start:start + len(f)]
+                start += len(f)
+        members = [b for b in live if asks[b][0] == "nodes"]
+        if members:
+            g = max(asks[b][1].numel() for b in members)
+            S = stack.cache.get_seq_length() - stack.base.shape[1]
+            H = stack.root_out.shape[-1]
+            tokens = torch.zeros(m, g, dtype=torch.long, device=stack.device)
+            feats = torch.zeros(m, g, H, dtype=stack.dtype, device=stack.device)
+            depths = torch.zeros(m, g, dtype=torch.long)
+            real = torch.zeros(m, g, dtype=torch.bool, device=stack.device)
+            rows, cols, slots = [], [], []
+            for b in members:
+                _, t, f, d, anc = asks[b]
+                n = t.numel()
+                tokens[b, :n], feats[b, :n], depths[b, :n], real[b, :n] = t, f, d, True
+                for i, a in enumerate(anc):
+                    rows += [b] * len(a)
+                    cols += [i] * len(a)
+                    slots += a
+            ancestors = torch.zeros(m, g, S, dtype=torch.bool, device=stack.device)
+            if slots:
+                ancestors[rows, cols, slots] = True
+            out, first = stack.nodes(tokens, feats, depths, ancestors, real, proposer._embed)
+            for b in members:
+                replies[b] = out[b, : asks[b][1].numel()], first
+    return trees

@@ -9,7 +9,8 @@ of the last verification), so prefill / accept / skip are EagleProposer's. One s
   placeholders sit at the positions after the root and read the mask token's embedding and
   fc(mask_hidden); the outputs at the root and at placeholder d (1..K'-1) give the draft laws of
   depths 1 and d + 1, over the draft vocabulary, in ONE lm_head call (K' = the tree's depth);
-  the placeholders' cache slots are cropped again, the pairs stay.
+  only the pairs stay in the drafter's cache. Rows of a batch do this together: one drafter
+  forward and one lm_head call for all of them (decode/eagle.py DrafterStack).
 
 A placeholder never reads a drafted token, so depth d's law is the same under every node at
 depth d - 1: the tree is a product of per-depth top-k lists, as Medusa's heads give:
@@ -59,29 +60,26 @@ class PEagleProposer(EagleProposer):
                                   f"per forward (the depths it was trained for): use a tree of depth <= {k} "
                                   f"(decode=peagle-chain, peagle-dynamic, or decode.depth / paths)")
         with torch.no_grad():
-            self.mask_embed = self._embed(torch.tensor([drafter.config.mask_token_id], device=self.device))  # (1, H)
             self.mask_feat = self.drafter.placeholder_features()[None].to(self.dtype)  # (1, H)
         if not self.dynamic:  # per drafted node: its depth's law (depth - 1) and its rank there
             self.depth_index = self.buffers.depths[1:] - 1  # (n-1,)
             self.rank_index = self.buffers.choices[1:]  # (n-1,)
 
-    @torch.no_grad()
-    def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
-        tokens = torch.tensor(self.pending_tokens + [root], dtype=torch.long, device=self.device)  # (m,)
-        m, slots = tokens.numel(), max(self.depth - 1, 0)  # pairs, placeholders
-        embeds = torch.cat([self._embed(tokens), self.mask_embed.expand(slots, -1)])  # (m + slots, H)
-        feats = torch.cat([self.pending_feats, self.mask_feat.expand(slots, -1)])  # (m + slots, H)
-        position_ids = torch.arange(self.committed, self.committed + m + slots, device=self.device)[None]
-        out = self.drafter(embeds[None], feats[None], position_ids=position_ids, cache=self.cache)[0]  # causal
-        self.committed += m
-        self.pending_tokens, self.pending_feats = [], self.pending_feats[:0]
-        drafted = self.cache.get_seq_length() - self.committed
-        if drafted:
-            self.cache.crop(-drafted)  # the placeholders' slots (transformers 5: negative = drop the last)
-        if self.depth == 0:
-            return DraftTree(tokens=tokens[-1:], parents=self.buffers.parents, buffers=self.buffers, is_chain=True)
-        logp = self._log_probs(out[m - 1:])  # (depth, N): row d is depth d+1's law, in one lm_head call
-        return self._dynamic_tree(root, logp) if self.dynamic else self._static_tree(root, logp)
+    def _placeholders(self) -> tuple[int, int | None, torch.Tensor | None]:
+        """depth - 1 placeholder slots after each row's root: the mask token and fc(mask_hidden)."""
+        return max(self.depth - 1, 0), self.drafter.config.mask_token_id, self.mask_feat
+
+    def _drafted_slots(self) -> int:
+        return 0  # every depth's law comes from the first forward
+
+    def _trees(self, proposers, roots, stack) -> list[DraftTree]:
+        """Row b's laws: its root's output and its placeholders' (depth, H), every row in ONE lm_head call."""
+        m, P = len(proposers), stack.P
+        rows = torch.arange(m, device=self.device)[:, None]  # (m, 1)
+        cols = torch.cat([torch.tensor(stack.pending, device=self.device)[:, None] - 1,
+                          P + torch.arange(self.depth - 1, device=self.device)[None].expand(m, -1)], dim=1)  # (m, depth)
+        logp = self._log_probs(stack.out[rows, cols].flatten(0, 1)).view(m, self.depth, -1)  # (m, depth, N)
+        return [p._dynamic_tree(r, lp) if p.dynamic else p._static_tree(r, lp) for p, r, lp in zip(proposers, roots, logp)]
 
     def _static_tree(self, root: int, logp: torch.Tensor) -> DraftTree:
         top = self.drafter.to_target_ids(torch.topk(logp, self.top_k, dim=-1).indices)  # (depth, top_k) verifier ids

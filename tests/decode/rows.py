@@ -82,3 +82,42 @@ class Alternating:
 
     def observe(self, *args):
         pass
+
+
+def drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch):
+    """Forks of `template` decode each prompt alone, then all of them as rows of one engine.
+
+    -> (alone, together, widest): per prompt (its greedy output, the (tokens, parents) of every
+    tree its proposer drafted), once alone and once in the batch; `widest` is the most rows one
+    drafter forward served. A row's trees are recorded by spying on the proposer class's
+    propose_batch (the solo path goes through it too)."""
+    from draftsmith.decode.engine import generate
+
+    cls, log = type(template), {}
+    real = cls.propose_batch
+
+    def spy(proposers, roots, hiddens, ids):
+        trees = real(proposers, roots, hiddens, ids)
+        for p, t in zip(proposers, trees):
+            log.setdefault(id(p), []).append((t.tokens.tolist(), t.parents.tolist()))
+        return trees
+
+    monkeypatch.setattr(cls, "propose_batch", staticmethod(spy))
+    rows_seen = []
+    hook = template.drafter.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    try:
+        alone, forks = [], [template.fork() for _ in prompts]
+        for fork, (p, new) in zip(forks, zip(prompts, new_tokens)):
+            out = generate(model, torch.tensor([p]), proposer=fork, max_new_tokens=new, eos_token_id=())
+            alone.append((out.tokens, log.pop(id(fork))))
+        rows_seen.clear()
+        forks = [template.fork() for _ in prompts]
+        engine = Engine(model, max_num_seqs=len(prompts))
+        requests = [engine.add(p, proposer=f, max_new_tokens=new, eos_token_id=())
+                    for f, p, new in zip(forks, prompts, new_tokens)]
+        while engine.busy:
+            engine.step()
+        together = [(r.out, log.pop(id(f), [])) for r, f in zip(requests, forks)]
+    finally:
+        hook.remove()
+    return alone, together, max(rows_seen)

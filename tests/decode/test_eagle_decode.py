@@ -14,6 +14,7 @@ import torch
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
+from tests.decode.rows import drafts_alone_and_together
 from tests.drafters import fitted_drafter, random_eagle_proposer
 from tests.laws import (sample_case, RecordingProposer, RecordingRule, engine_counts, exact_law, law_model, law_test,
                         prompt, reference, residual_from_p_walk, tree_paths)
@@ -251,3 +252,29 @@ def test_sampling_law_catches_a_broken_rule_on_a_dynamic_tree(monkeypatch):
     counts = engine_counts(model, random_eagle_proposer(model, tree_kwargs), 600, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
+
+
+BATCH_PROMPTS = [prompt(61, 9)[0].tolist(), prompt(62, 20)[0].tolist(), prompt(63, 5)[0].tolist()]  # 20 > CATCH_UP
+
+
+@pytest.mark.parametrize("variant, tree", [("eagle1", "static"), ("eagle1", "dynamic"), ("eagle3", "chain"),
+                                           ("eagle3", "dynamic")])
+def test_rows_draft_together_what_they_draft_alone(greedy_setup, variant, tree, monkeypatch):
+    """Forks of one proposer as rows of one engine: ONE drafter forward serves every row at each
+    stage (their caches stacked, padded, at different lengths, one row's 20-token prompt fed
+    first alone), and each row drafts exactly the trees it drafts decoding alone, step by step;
+    every output is the verifier's. Teeth: a mask that lets a query see every slot (its row's
+    padding and sibling nodes) changes what is drafted."""
+    from draftsmith.decode import eagle
+
+    model, drafters = greedy_setup
+    template = proposer_for(model, drafters[variant], tree)
+    new = [24, 30, 16]
+    alone, together, widest = drafts_alone_and_together(model, template, BATCH_PROMPTS, new, monkeypatch)
+    assert widest == 3
+    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(BATCH_PROMPTS, new, alone, together):
+        assert out_a == out_t == reference(model, torch.tensor([p]), n, eos_token_id=None)
+        assert trees_a == trees_t and len(trees_a) > 3
+    monkeypatch.setattr(eagle, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
+    _, broken, _ = drafts_alone_and_together(model, template, BATCH_PROMPTS, new, monkeypatch)
+    assert [trees for _, trees in broken] != [trees for _, trees in together]
