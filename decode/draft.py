@@ -16,6 +16,14 @@ its first layers, or a smaller model of the same family). It keeps its own KV ca
 
 so after every step the draft's cache equals a fresh prefill of ids[:cached] (tested).
 
+Rows of a batch drafting with the same draft (``batch_key``; a server's rows are forks of one
+proposer) draft TOGETHER (``propose_batch``): their caches are stacked side by side, padded
+(``_DraftStack``), and each forward above is ONE draft forward and one lm_head call for every
+row, each token seeing only its own row's slots at its own positions; a backlog longer than
+CATCH_UP (a new row's prompt) is fed alone first. Each row's tree is built by its own generator
+(``_draft``: its own schedule, confidence cuts and seeded draws), so a row drafts what it would
+alone; the fed tokens then move into the row's own cache.
+
 Lossless by the engine's rules. Greedy (temperature 0): the children of a node are the draft's
 top-``width`` tokens (a chain takes the argmax), and the greedy rule accepts exactly the
 verifier's argmax path. Sampling: the children of node u are drawn one after another without
@@ -213,14 +221,9 @@ class DraftModelProposer(Proposer):
         check_compactable(self.cache)
         self.cached, self.fed = 0, 0
 
-    def _logits(self, tokens: list[int], mask=None, position_ids=None, last_only: bool = False) -> torch.Tensor:
-        """Feed tokens to the draft on its cache -> (m, V) logits (or (1, V) of the last token
-        only) in at least float32; -inf outside the reduced vocabulary when there is one."""
-        hidden = self.decoder(
-            input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
-            attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
-        ).last_hidden_state[0]  # (m, H)
-        hidden = hidden[-1:] if last_only else hidden
+    def _to_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(m, H) draft states -> (m, V) logits in at least float32; -inf outside the reduced
+        vocabulary when there is one."""
         logits = self.project(hidden)  # (m, N): N = V without vocab_rows
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.rows is None:
@@ -237,17 +240,74 @@ class DraftModelProposer(Proposer):
             return logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
         return torch.softmax(logits, dim=-1) if self.confidence > 0 else None
 
-    @torch.inference_mode()
+    def batch_key(self):
+        """Rows drafting with the same draft weights (forks share them) propose together; a draft
+        whose attention takes no mask (padding needs one) drafts alone."""
+        if getattr(self.model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
+            return None
+        return ("draft", id(self.decoder), id(self.project))
+
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
-        if self.sampling is None:
+        return self.propose_batch([self], [root], [hidden], [ids])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_batch(proposers, roots, hiddens, ids) -> list[DraftTree]:
+        """Every row's tree, each level of every row in ONE draft forward (their caches stacked
+        side by side: _DraftStack) and one lm_head call."""
+        if any(p.sampling is None for p in proposers):
             raise RuntimeError("DraftModelProposer.propose before prefill: run it through decode.engine.generate")
+        first = proposers[0]
+        for p, i in zip(proposers, ids):  # a long backlog (the prompt at the first step) goes first, alone
+            if len(i) - p.cached > CATCH_UP:
+                p._feed_alone(i[p.cached: len(i) - CATCH_UP])
+        stack = _DraftStack(proposers)
+        builders = [p._draft(r, i) for p, r, i in zip(proposers, roots, ids)]
+        m = len(builders)
+        replies, trees = [None] * m, [None] * m
+        live = list(range(m))
+        while live:
+            asks = {}
+            for b in live:
+                try:
+                    asks[b] = builders[b].send(replies[b])
+                except StopIteration as done:
+                    trees[b] = done.value
+            live = sorted(asks)
+            if live:
+                hidden = stack.feed({b: asks[b][:3] for b in live})  # (m, g, H)
+                picks = [(b, len(asks[b][0]) - 1, len(asks[b][0])) if asks[b][3] else (b, 0, len(asks[b][0]))
+                         for b in live]  # each row's states to project: its last (last_only) or all
+                logits = first._to_logits(torch.cat([hidden[b, lo:hi] for b, lo, hi in picks]))
+                start = 0
+                for b, lo, hi in picks:
+                    replies[b] = logits[start:start + hi - lo]
+                    start += hi - lo
+        stack.commit(proposers)
+        return trees
+
+    @torch.inference_mode()
+    def _feed_alone(self, tokens: list[int]) -> None:
+        """Tokens through the draft on this row's own cache (causal), committed text."""
+        self.decoder(input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device), cache=self.cache,
+                     use_cache=True)
+        self.cached += len(tokens)
+
+    def _draft(self, root: int, ids: list[int]):
+        """This row's tree, as a generator: it yields each draft forward it needs as
+        (tokens, positions, visible, last_only), where visible[j] lists the slots of this step's
+        earlier fed tokens that token j sees (numbered from 0 in feeding order; the committed
+        cache and the token itself are always seen), and receives the (q, V) logits (1 with
+        last_only); it returns the DraftTree. propose_batch serves every row's forward at once."""
         greedy = self.sampling.greedy
-        committed = len(ids)  # after the next forward the draft cache holds all of ids, root last
-        logits = self._logits(ids[self.cached :], last_only=True)  # (1, V) the draft's logits at the root
+        committed = len(ids)  # after the first forward the draft cache holds all of ids, root last
+        pending = ids[self.cached:]
+        n0 = len(pending)
+        logits = yield pending, [self.cached + j for j in range(n0)], [list(range(j)) for j in range(n0)], True
         self.cached = committed
         tokens, parents, depths = [root], [-1], [0]
         laws: dict[int, torch.Tensor] = {}  # node -> (V,) the law its children were sampled from
-        frontier, fed, chain = [0], 0, True
+        frontier, fed = [0], 0
         for d in range(1, self.length + 1):
             width = self.widths[d - 1] if d - 1 < len(self.widths) else 1
             law = self._law(logits)  # (m, V) or None
@@ -265,15 +325,18 @@ class DraftModelProposer(Proposer):
                     parents.append(u)
                     depths.append(d)
                     new.append(len(tokens) - 1)
-            chain = chain and len(new) == 1
             if not new or d == self.length:
                 break
-            if chain:  # causal order = the tree: the model's own mask and positions
-                logits = self._logits([tokens[new[0]]])  # (1, V)
-            else:
-                mask = level_mask(parents, new[0], committed, self.model.dtype, self.device)
-                position_ids = torch.tensor([[committed - 1 + depths[i] for i in new]], device=self.device)  # (1, m)
-                logits = self._logits([tokens[i] for i in new], mask, position_ids)  # (m, V)
+            # node i sits at slot n0 - 1 + i (the root is the last pending token): it sees the
+            # pending tokens and its fed ancestors
+            visible = []
+            for i in new:
+                seen, a = list(range(n0)), parents[i]
+                while a > 0:
+                    seen.append(n0 - 1 + a)
+                    a = parents[a]
+                visible.append(sorted(seen))
+            logits = yield [tokens[i] for i in new], [committed - 1 + depths[i] for i in new], visible, False
             fed = new[-1]
             frontier = new
         self.fed = fed
@@ -309,3 +372,74 @@ class DraftModelProposer(Proposer):
                 self.length = min(self.max_tokens, self.length + 2)
             else:
                 self.length = max(self.min_tokens, self.length - 1)
+
+
+CATCH_UP = 16  # tokens a row brings to the batched forward; an earlier backlog (the prompt) goes alone first
+
+
+class _DraftStack:
+    """The rows' draft caches side by side for one batched proposal (every layer).
+
+    Slots [0, C) hold each row's committed text (row b's first cached_b; C = their max); each
+    ``feed`` appends g slots to every row (g = the most tokens a row feeds; the others pad),
+    and row b's j-th fed token of the step sits at column C + cols[b][j]. A token sees its row's
+    committed slots, the fed tokens its ``visible`` list names, and itself, at its row's
+    positions. ``commit`` moves each row's fed tokens, in feeding order, into its own cache
+    (where accept compacts them). One row decodes on its own cache, no copy."""
+
+    def __init__(self, proposers: list[DraftModelProposer]):
+        self.m, first = len(proposers), proposers[0]
+        self.device, self.decoder, self.dtype = first.device, first.decoder, first.model.dtype
+        self.lens = [p.cached for p in proposers]
+        self.cols: list[list[int]] = [[] for _ in proposers]
+        if self.m == 1:
+            self.cache, self.C = first.cache, self.lens[0]
+            return
+        self.C = max(self.lens)
+        self.cache = new_cache(first.model.config)
+        filled = [p for p in proposers if p.cached]
+        if filled:
+            for i, layer in enumerate(self.cache.layers):
+                own = filled[0].cache.layers[i].keys  # (1, H_kv, L, D)
+                keys = own.new_zeros(self.m, own.shape[1], self.C + 128, own.shape[3])
+                values = torch.zeros_like(keys)
+                for b, p in enumerate(proposers):
+                    if p.cached:
+                        keys[b, :, :p.cached] = p.cache.layers[i].keys[0]
+                        values[b, :, :p.cached] = p.cache.layers[i].values[0]
+                layer.adopt(keys, values, self.C)
+
+    def feed(self, asks: dict) -> torch.Tensor:
+        """asks {row: (tokens, positions, visible)} -> the draft's last hidden states (m, g, H)."""
+        g = max(len(a[0]) for a in asks.values())
+        S = self.cache.get_seq_length() - self.C if self.cache.layers[0].is_initialized else 0  # fed columns so far
+        tokens = torch.zeros(self.m, g, dtype=torch.long, device=self.device)
+        positions = torch.zeros(self.m, g, dtype=torch.long, device=self.device)
+        allowed = torch.zeros(self.m, g, self.C + S + g, dtype=torch.bool, device=self.device)
+        allowed[:, torch.arange(g), self.C + S + torch.arange(g)] = True  # itself (a pad: only itself)
+        causal = self.m == 1
+        for b, (toks, pos, visible) in asks.items():
+            n = len(toks)
+            tokens[b, :n] = torch.tensor(toks, device=self.device)
+            positions[b, :n] = torch.tensor(pos, device=self.device)
+            allowed[b, :n, : self.lens[b]] = True
+            before = len(self.cols[b])
+            self.cols[b] += [S + j for j in range(n)]
+            rows = [j for j, seen in enumerate(visible) for _ in seen]
+            cols = [self.C + self.cols[b][s] for seen in visible for s in seen]
+            if rows:
+                allowed[b, rows, cols] = True
+            causal = causal and all(seen == list(range(before + j)) for j, seen in enumerate(visible))
+        # one row whose tokens each see everything before them: the model's own causal mask
+        mask = None if causal else additive_mask(allowed, self.dtype)[:, None]  # (m, 1, g, C + S + g)
+        return self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                            use_cache=True).last_hidden_state
+
+    def commit(self, proposers: list[DraftModelProposer]) -> None:
+        """Each row's fed tokens, in feeding order, into its own cache (after its committed text)."""
+        if self.m == 1:
+            return
+        for b, p in enumerate(proposers):
+            cols = torch.tensor(self.cols[b], dtype=torch.long, device=self.device) + self.C
+            for layer, own in zip(self.cache.layers, p.cache.layers):
+                own.update(layer.keys[b:b + 1].index_select(2, cols), layer.values[b:b + 1].index_select(2, cols))

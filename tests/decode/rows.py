@@ -84,13 +84,14 @@ class Alternating:
         pass
 
 
-def drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch):
+def drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch, sampled=None):
     """Forks of `template` decode each prompt alone, then all of them as rows of one engine.
 
     -> (alone, together, widest): per prompt (its greedy output, the (tokens, parents) of every
     tree its proposer drafted), once alone and once in the batch; `widest` is the most rows one
     drafter forward served. A row's trees are recorded by spying on the proposer class's
-    propose_batch (the solo path goes through it too)."""
+    propose_batch (the solo path goes through it too). sampled(i): request i's sampling keywords
+    (temperature, a fresh seeded generator), called once per run."""
     from draftsmith.decode.engine import generate
 
     cls, log = type(template), {}
@@ -104,17 +105,21 @@ def drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch)
 
     monkeypatch.setattr(cls, "propose_batch", staticmethod(spy))
     rows_seen = []
-    hook = template.drafter.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    drafter = template.drafter if hasattr(template, "drafter") else template.decoder  # EAGLE | a draft model
+    hook = drafter.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_seen.append((args[0] if args else kwargs["input_ids"]).shape[0]),
+        with_kwargs=True)
+    sampled = sampled or (lambda i: {})
     try:
         alone, forks = [], [template.fork() for _ in prompts]
-        for fork, (p, new) in zip(forks, zip(prompts, new_tokens)):
-            out = generate(model, torch.tensor([p]), proposer=fork, max_new_tokens=new, eos_token_id=())
+        for i, (fork, p, new) in enumerate(zip(forks, prompts, new_tokens)):
+            out = generate(model, torch.tensor([p]), proposer=fork, max_new_tokens=new, eos_token_id=(), **sampled(i))
             alone.append((out.tokens, log.pop(id(fork))))
         rows_seen.clear()
         forks = [template.fork() for _ in prompts]
         engine = Engine(model, max_num_seqs=len(prompts))
-        requests = [engine.add(p, proposer=f, max_new_tokens=new, eos_token_id=())
-                    for f, p, new in zip(forks, prompts, new_tokens)]
+        requests = [engine.add(p, proposer=f, max_new_tokens=new, eos_token_id=(), **sampled(i))
+                    for i, (f, p, new) in enumerate(zip(forks, prompts, new_tokens))]
         while engine.busy:
             engine.step()
         together = [(r.out, log.pop(id(f), [])) for r, f in zip(requests, forks)]

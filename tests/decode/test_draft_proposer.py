@@ -25,6 +25,7 @@ from draftsmith.decode.draft import DraftModelProposer, level_mask, sample_witho
 from draftsmith.decode.engine import generate
 from draftsmith.decode.sampling import logits_to_probs
 from draftsmith.models.errors import DraftsmithError
+from tests.decode.rows import drafts_alone_and_together
 from tests.drafters import noisy_copy
 from tests.laws import (assert_engine_law, LAW_PROMPT, RecordingRule, V, assert_cache_is_prefill, engine_counts, exact_law, law_model,
                         law_test, prompt, reference, smoke_counts)
@@ -108,8 +109,8 @@ def test_reduced_vocab_logits_and_refusals(models):
     assert proposer.widths == [5]
     ids = prompt(108)[0].tolist()
     proposer.prefill(torch.tensor(ids), torch.zeros(len(ids), 1), sampling_params(0.0))  # an empty draft cache
-    got = proposer._logits(ids, last_only=True)[0]  # (V,)
     with torch.no_grad():
+        got = proposer._to_logits(close.model(torch.tensor([ids])).last_hidden_state[0, -1:])[0]  # (V,)
         want = close(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=1e-12)
     assert bool(torch.isneginf(got[[i for i in range(128) if i not in rows.tolist()]]).all())
@@ -449,3 +450,32 @@ def test_sampling_law_catches_a_broken_rule(monkeypatch):
     counts = engine_counts(model, proposer, 1_000, temperature, top_k, top_p, seed=1)
     pvalue, tv, _ = law_test(counts, law)
     assert pvalue < 1e-6, (pvalue, tv)
+
+
+@pytest.mark.parametrize("case, temperature", [("tree-2-2", 0.0), ("heuristic", 0.0), ("confidence", 0.0),
+                                               ("tree-3", 1.0), ("int8-tree", 0.0)])
+def test_rows_draft_together_what_they_draft_alone(models, case, temperature, monkeypatch):
+    """Forks of one draft proposer as rows of one engine: each level of every row is ONE draft
+    forward (their caches stacked, padded, at different lengths; one row's 20-token prompt fed
+    first alone; rows drafting different depths with the heuristic schedule or a confidence cut),
+    and each row drafts exactly the trees it drafts alone, from its own seeded draws at T > 0;
+    every output is what it is alone (the verifier's at T = 0). Teeth: a mask that lets a token
+    see every slot of its row (padding, other branches) changes what is drafted."""
+    from draftsmith.decode import draft
+
+    verifier = models[0]
+    template = make(models, case)
+    prompts = [prompt(121, 9)[0].tolist(), prompt(122, 20)[0].tolist(), prompt(123, 5)[0].tolist()]
+    new = [24, 30, 16]
+    seeded = (lambda i: dict(temperature=temperature, generator=torch.Generator().manual_seed(i))) if temperature else None
+    alone, together, widest = drafts_alone_and_together(verifier, template, prompts, new, monkeypatch, seeded)
+    assert widest == 3
+    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(prompts, new, alone, together):
+        assert out_a == out_t and trees_a == trees_t and len(trees_a) > 3
+        if not temperature:
+            assert out_a == reference(verifier, torch.tensor([p]), n, eos_token_id=None)
+    if case == "heuristic":
+        assert len({len(t[0]) for _, trees in together for t in trees}) > 2  # rows drafted different depths
+    monkeypatch.setattr(draft, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
+    _, broken, _ = drafts_alone_and_together(verifier, template, prompts, new, monkeypatch, seeded)
+    assert [trees for _, trees in broken] != [trees for _, trees in together]
