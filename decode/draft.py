@@ -245,7 +245,7 @@ class DraftModelProposer(Proposer):
         whose attention takes no mask (padding needs one) drafts alone."""
         if getattr(self.model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
             return None
-        return ("draft", id(self.decoder), id(self.project))
+        return ("draft", id(self.decoder), id(self.row_weight), self.quant)  # an int8 draft: its own decoder copy
 
     def propose(self, root: int, hidden: torch.Tensor, ids: list[int]) -> DraftTree:
         return self.propose_batch([self], [root], [hidden], [ids])[0]
@@ -262,29 +262,15 @@ class DraftModelProposer(Proposer):
             if len(i) - p.cached > CATCH_UP:
                 p._feed_alone(i[p.cached: len(i) - CATCH_UP])
         stack = _DraftStack(proposers)
-        builders = [p._draft(r, i) for p, r, i in zip(proposers, roots, ids)]
-        m = len(builders)
-        replies, trees = [None] * m, [None] * m
-        live = list(range(m))
-        while live:
-            asks = {}
-            for b in live:
-                try:
-                    asks[b] = builders[b].send(replies[b])
-                except StopIteration as done:
-                    trees[b] = done.value
-            live = sorted(asks)
-            if live:
-                hidden = stack.feed({b: asks[b][:3] for b in live})  # (m, g, H)
-                picks = [(b, len(asks[b][0]) - 1, len(asks[b][0])) if asks[b][3] else (b, 0, len(asks[b][0]))
-                         for b in live]  # each row's states to project: its last (last_only) or all
-                logits = first._to_logits(torch.cat([hidden[b, lo:hi] for b, lo, hi in picks]))
-                start = 0
-                for b, lo, hi in picks:
-                    replies[b] = logits[start:start + hi - lo]
-                    start += hi - lo
+        try:
+            trees = stack.drive([p._draft(r, i) for p, r, i in zip(proposers, roots, ids)], first)
+        except BaseException:
+            stack.undo()  # every row as it was: the engine retries each alone
+            raise
         stack.commit(proposers)
-        return trees
+        for p, (_, state) in zip(proposers, trees):
+            p.cached, p.fed, p.drafted_depth, p.drafted = state
+        return [tree for tree, _ in trees]
 
     @torch.inference_mode()
     def _feed_alone(self, tokens: list[int]) -> None:
@@ -298,13 +284,14 @@ class DraftModelProposer(Proposer):
         (tokens, positions, visible, last_only), where visible[j] lists the slots of this step's
         earlier fed tokens that token j sees (numbered from 0 in feeding order; the committed
         cache and the token itself are always seen), and receives the (q, V) logits (1 with
-        last_only); it returns the DraftTree. propose_batch serves every row's forward at once."""
+        last_only); it returns the DraftTree and the row's new state (the row is not changed
+        here: a proposal that raises leaves it as it was). _DraftStack.drive serves every row's
+        forward at once."""
         greedy = self.sampling.greedy
         committed = len(ids)  # after the first forward the draft cache holds all of ids, root last
         pending = ids[self.cached:]
         n0 = len(pending)
         logits = yield pending, [self.cached + j for j in range(n0)], [list(range(j)) for j in range(n0)], True
-        self.cached = committed
         tokens, parents, depths = [root], [-1], [0]
         laws: dict[int, torch.Tensor] = {}  # node -> (V,) the law its children were sampled from
         frontier, fed = [0], 0
@@ -339,10 +326,9 @@ class DraftModelProposer(Proposer):
             logits = yield [tokens[i] for i in new], [committed - 1 + depths[i] for i in new], visible, False
             fed = new[-1]
             frontier = new
-        self.fed = fed
-        self.drafted_depth = max(depths)
-        self.drafted = len(tokens)  # nodes 0..drafted-1 are the draft's (a graft appends after them)
-        return self._tree(tokens, parents, laws)
+        # the row's state after this step (set by propose_batch once every row is drafted):
+        # cached, fed, the draft's deepest level and its nodes 0..drafted-1 (a graft appends after them)
+        return self._tree(tokens, parents, laws), (committed, fed, max(depths), len(tokens))
 
     def _tree(self, tokens: list[int], parents: list[int], laws: dict[int, torch.Tensor]) -> DraftTree:
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # (n,)
@@ -434,6 +420,39 @@ class _DraftStack:
         mask = None if causal else additive_mask(allowed, self.dtype)[:, None]  # (m, 1, g, C + S + g)
         return self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                             use_cache=True).last_hidden_state
+
+    def drive(self, builders: list, proposer: DraftModelProposer) -> list:
+        """Run every row's generator (``DraftModelProposer._draft``): each round's forwards of all
+        rows in one ``feed`` and their logits in one lm_head call -> what each returns."""
+        m = len(builders)
+        replies, trees = [None] * m, [None] * m
+        live = list(range(m))
+        while live:
+            asks = {}
+            for b in live:
+                try:
+                    asks[b] = builders[b].send(replies[b])
+                except StopIteration as done:
+                    trees[b] = done.value
+            live = sorted(asks)
+            if live:
+                hidden = self.feed({b: asks[b][:3] for b in live})  # (m, g, H)
+                picks = [(b, len(asks[b][0]) - 1, len(asks[b][0])) if asks[b][3] else (b, 0, len(asks[b][0]))
+                         for b in live]  # each row's states to project: its last (last_only) or all
+                logits = proposer._to_logits(torch.cat([hidden[b, lo:hi] for b, lo, hi in picks]))
+                start = 0
+                for b, lo, hi in picks:
+                    replies[b] = logits[start:start + hi - lo]
+                    start += hi - lo
+        return trees
+
+    def undo(self) -> None:
+        """A proposal that raised: one row's own cache loses what this step fed (more rows fed
+        only the stack)."""
+        if self.m == 1 and self.cache.layers[0].is_initialized:
+            extra = self.cache.get_seq_length() - self.C
+            if extra:
+                self.cache.crop(-extra)
 
     def commit(self, proposers: list[DraftModelProposer]) -> None:
         """Each row's fed tokens, in feeding order, into its own cache (after its committed text)."""

@@ -183,9 +183,12 @@ class EagleProposer(Proposer):
         first = proposers[0]
         stack = DrafterStack(proposers, roots, *first._placeholders())
         if first.depth == 0:
-            return [DraftTree(tokens=torch.tensor([r], device=first.device), parents=first.buffers.parents,
-                              buffers=first.buffers, is_chain=True) for r in roots]
-        return first._trees(proposers, roots, stack)
+            trees = [DraftTree(tokens=torch.tensor([r], device=first.device), parents=first.buffers.parents,
+                               buffers=first.buffers, is_chain=True) for r in roots]
+        else:
+            trees = first._trees(proposers, roots, stack)
+        stack.commit(proposers)
+        return trees
 
     def _placeholders(self) -> tuple[int, int | None, torch.Tensor | None]:
         """Extra slots fed after each row's root in the first forward: (count, token, feature)."""
@@ -299,8 +302,8 @@ class DrafterStack:
         [C + P, C + P + X)   placeholders
         [C + P + X, ...)     drafted nodes, appended by ``nodes`` (slot s of every row at C + P + X + s)
     Every query sees only its own row's real slots (additive mask), at its row's own positions,
-    so each row's outputs are what its own forward would give. The pending pairs' entries go back
-    to the rows' own caches (they are committed); the rest is dropped with the stack.
+    so each row's outputs are what its own forward would give. ``commit`` moves the pending pairs'
+    entries into the rows' own caches once the trees are built; the rest is dropped with the stack.
     """
 
     def __init__(self, proposers: list[EagleProposer], roots: list[int], placeholders: int = 0,
@@ -350,14 +353,20 @@ class DrafterStack:
         self.root_out = self.out[torch.arange(m, device=self.device), pend_t - 1]  # (m, H) predicted after each root
         self.pending, self.P = pend, P
 
-        layer = self.cache.layers[0]
-        for b, p in enumerate(proposers):  # the pending pairs are committed: into the row's own cache
-            p.cache.layers[0].update(layer.keys[b:b + 1, :, C:C + pend[b]], layer.values[b:b + 1, :, C:C + pend[b]])
-            p.committed += pend[b]
-            p.pending_tokens, p.pending_feats = [], p.pending_feats[:0]
         # what a drafted node sees besides its drafted ancestors: its row's committed slots
         self.base = torch.cat([committed, real & (index < pend_t[:, None])], dim=1)  # (m, C+P+X)
         self.committed = lens + pend_t  # (m,) the rows' committed pairs; the root's position is one less
+        self.C = C
+
+    def commit(self, proposers: list[EagleProposer]) -> None:
+        """The pending pairs are committed: into each row's own cache. Called once every tree is
+        built, so a proposal that raises leaves every row as it was (the engine retries alone)."""
+        layer, C = self.cache.layers[0], self.C
+        for b, p in enumerate(proposers):
+            n = self.pending[b]
+            p.cache.layers[0].update(layer.keys[b:b + 1, :, C:C + n], layer.values[b:b + 1, :, C:C + n])
+            p.committed += n
+            p.pending_tokens, p.pending_feats = [], p.pending_feats[:0]
 
     def nodes(self, tokens: torch.Tensor, feats: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
               real: torch.Tensor, embed) -> tuple[torch.Tensor, int]:

@@ -168,3 +168,30 @@ def test_a_short_chunk_beside_a_wide_one_stays_inside_the_cache(batch_setup, for
     for p, row in zip((long, short), rows):
         assert row.error is None and row.out == reference(model, torch.tensor([p]), max_new_tokens=2,
                                                           eos_token_id=None)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "draft"])
+def test_a_batched_proposal_that_raises_leaves_every_row_as_it_was(batch_setup, kind, monkeypatch):
+    """Rows of one drafter propose together; when that batched proposal raises (once, midway
+    through building the trees), each row proposes alone that step, from its state as it was
+    (nothing committed by the failed attempt), and every row is still its own greedy output."""
+    from draftsmith.decode import draft, eagle
+
+    model, factories = batch_setup
+    owner, name = (eagle, "_drive") if kind == "eagle1" else (draft._DraftStack, "drive")
+    real, failures = getattr(owner, name), []
+
+    def flaky(*args):
+        if not failures and len(args[1 if kind == "draft" else 0]) > 1:
+            failures.append(1)
+            raise RuntimeError("the batched drafter call failed")
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, flaky)
+    schedule = [(kind, 51, 9, 20, 0), (kind, 52, 6, 24, 0), (kind, 53, 12, 16, 0)]
+    requests, widest = run_schedule(model, factories, schedule)
+    assert failures and widest == 3
+    for (_, seed, length, new, _), request in zip(schedule, requests):
+        assert request.error is None
+        assert request.out == reference(model, torch.tensor([row_prompt(seed, length)]), max_new_tokens=new,
+                                        eos_token_id=None)
