@@ -124,14 +124,17 @@ class EagleProposer(Proposer):
         self.cache = new_cache(self.drafter.layer_config)
         self.committed = 0  # drafter cache slots holding verifier features
         self.pending_tokens = prompt_ids[1:].tolist()  # x_1 .. x_{T-1}; the root completes them
-        self.pending_feats = self._features(hidden, layer_hidden)  # (T, H)
+        # the pending pairs' features: those already computed, then the verifier states (hidden,
+        # layer_hidden) of the rest, through the drafter's fc only when it next drafts (`_settle`,
+        # every row of a batch in one call): a row the budget keeps plain pays no drafter work
+        self.pending_feats, self.raw = None, [(hidden, layer_hidden)]
 
     def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor,
                layer_hidden: torch.Tensor | None = None) -> None:
-        """The accepted nodes' verifier features become the next pending pairs."""
+        """The accepted nodes' verifier states become the next pending pairs."""
         idx = torch.as_tensor(path, device=hidden.device)
         self.pending_tokens = tree.tokens[path[1:]].tolist()  # the root (next_token) completes them
-        self.pending_feats = self._features(hidden[idx], None if layer_hidden is None else layer_hidden[idx])
+        self.pending_feats, self.raw = None, [(hidden[idx], None if layer_hidden is None else layer_hidden[idx])]
 
     def skip(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor,
              layer_hidden: torch.Tensor | None = None) -> None:
@@ -139,8 +142,7 @@ class EagleProposer(Proposer):
         next propose feeds to the drafter in one forward."""
         idx = torch.as_tensor(path, device=hidden.device)
         self.pending_tokens = self.pending_tokens + tree.tokens[[0, *path[1:]]].tolist()  # the old root completes them
-        self.pending_feats = torch.cat([self.pending_feats, self._features(
-            hidden[idx], None if layer_hidden is None else layer_hidden[idx])])
+        self.raw.append((hidden[idx], None if layer_hidden is None else layer_hidden[idx]))  # copies, not views
 
     @torch.no_grad()
     def _features(self, hidden: torch.Tensor, layer_hidden: torch.Tensor | None) -> torch.Tensor:
@@ -310,6 +312,7 @@ class DrafterStack:
                  placeholder_token: int | None = None, placeholder_feat: torch.Tensor | None = None):
         first = proposers[0]
         self.drafter, self.device, self.dtype = first.drafter, first.device, first.drafter.compute_dtype
+        _settle(proposers)
         for p in proposers:  # long backlogs go first, alone
             if len(p.pending_tokens) + 1 > CATCH_UP:
                 p._feed_alone(len(p.pending_tokens) + 1 - CATCH_UP)
@@ -366,7 +369,7 @@ class DrafterStack:
             n = self.pending[b]
             p.cache.layers[0].update(layer.keys[b:b + 1, :, C:C + n], layer.values[b:b + 1, :, C:C + n])
             p.committed += n
-            p.pending_tokens, p.pending_feats = [], p.pending_feats[:0]
+            p.pending_tokens, p.pending_feats = [], None
 
     def nodes(self, tokens: torch.Tensor, feats: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
               real: torch.Tensor, embed) -> tuple[torch.Tensor, int]:
@@ -381,6 +384,26 @@ class DrafterStack:
         out = self.drafter(embed(tokens), feats, attention_mask=additive_mask(allowed, self.dtype)[:, None],
                            position_ids=positions, cache=self.cache)
         return out, S
+
+
+@torch.no_grad()
+def _settle(proposers: list[EagleProposer]) -> None:
+    """Every row's pending verifier states through the drafter's fc (EAGLE-3; EAGLE-1 reads the
+    state as it is) in ONE call, appended to its pending features."""
+    todo = [p for p in proposers if p.raw]
+    if not todo:
+        return
+    states = [state for p in todo for state in p.raw]
+    hidden = torch.cat([h for h, _ in states])  # (sum k, H)
+    layers = None if states[0][1] is None else torch.cat([lh for _, lh in states])  # (sum k, L*H)
+    feats = todo[0]._features(hidden, layers)
+    start = 0
+    for p in todo:
+        n = sum(h.shape[0] for h, _ in p.raw)
+        mine = feats[start:start + n]
+        start += n
+        p.pending_feats = mine if p.pending_feats is None else torch.cat([p.pending_feats, mine])
+        p.raw = []
 
 
 def _drive(builders: list, stack: DrafterStack, proposer: EagleProposer) -> list[DraftTree]:

@@ -406,7 +406,9 @@ class Engine:
             t = time.perf_counter()
             n = tree.size
             extra = {}
-            if request.capture:
+            if request.capture and list(request.capture) == capture:  # every captured layer, in order: no copy
+                extra["layer_hidden"] = captured[b, :n]  # (n, L*H)
+            elif request.capture:
                 H = hidden.shape[-1]
                 parts = [captured[b, :n, layer_of[i] * H:(layer_of[i] + 1) * H] for i in request.capture]
                 extra["layer_hidden"] = torch.cat(parts, dim=-1)  # (n, L*H)
