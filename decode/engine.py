@@ -205,12 +205,13 @@ class Engine:
 
     model: the HF causal LM (or a models.verifier.Verifier). max_num_seqs: rows decoded
     together. max_len: cache slots per row (prompt + new tokens + one tree; grown when a row
-    needs more). forward: fast | hf | auto (decode/forward.py); invariant, compile: its modes.
+    needs more). forward: fast | hf | auto (decode/forward.py); invariant, compile, weights: its modes.
     prefill_chunk: prompt tokens read per step in all. budget: a decode.budget policy (None = fixed: every proposer's whole tree).
     """
 
     def __init__(self, model, *, max_num_seqs: int = 1, max_len: int = 1024, forward: str = "auto",
-                 prefill_chunk: int = 512, budget=None, invariant=False, compile: str = "none"):
+                 prefill_chunk: int = 512, budget=None, invariant=False, compile: str = "none",
+                 weights: str = "auto"):
         if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "model", None), PreTrainedModel):
             model = model.model  # a models.verifier.Verifier
         if max_num_seqs < 1 or max_len < 2 or prefill_chunk < 1:
@@ -219,7 +220,7 @@ class Engine:
         check_architecture(model)
         self.model, self.lm_head = model, model.get_output_embeddings()
         self.device = self.lm_head.weight.device
-        self.forward = make_forward(model, forward, max_num_seqs + 1, max_len, invariant, compile)  # + a spare row
+        self.forward = make_forward(model, forward, max_num_seqs + 1, max_len, invariant, compile, weights)  # + a spare row
         if self.forward.name == "hf" and getattr(model.config, "_attn_implementation", None) not in TREE_MASK_ATTENTION:
             raise DraftsmithError(f"attn_implementation={model.config._attn_implementation!r} cannot take the engine's "
                                   f"4D masks; load the verifier with attn_implementation='sdpa'")

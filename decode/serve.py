@@ -207,7 +207,7 @@ class Server:
         check_memory(self.model, rows, longest, device)
         self.engine = Engine(self.model, max_num_seqs=rows, max_len=min(longest, 1024), forward=cfg.engine.forward,
                              prefill_chunk=int(cfg.engine.prefill_chunk), invariant=cfg.engine.invariant,
-                             compile=cfg.engine.compile)
+                             compile=cfg.engine.compile, weights=cfg.engine.weights)
         self.engine.budget = make_budget(cfg.engine.budget, self.engine.forward, rows)
         self.metrics = Metrics(self.proposer.max_depth if self.proposer is not None else 0,
                                None if probe is None else probe["tau"])

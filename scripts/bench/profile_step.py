@@ -27,13 +27,14 @@ from draftsmith.models.entry import launch
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.verifier import load_verifier, resolve_device
 
-KINDS = {"hf": "hf", "fast": "fast", "compiled": "fast"}
+KINDS = {"hf": ("hf", "plain"), "fast": ("fast", "plain"), "packed": ("fast", "packed"), "compiled": ("fast", "plain")}
 
 
 def step_fn(model, kind: str, tokens: int, cache_len: int):
     """A closure running one verify step of `tokens` tokens over a `cache_len`-token cache."""
-    forward = make_forward(model, KINDS[kind], max_rows=1, max_len=cache_len + tokens + 64,
-                           compile="inductor" if kind == "compiled" else "none")
+    name, weights = KINDS[kind]
+    forward = make_forward(model, name, max_rows=1, max_len=cache_len + tokens + 64,
+                           compile="inductor" if kind == "compiled" else "none", weights=weights)
     device = model.device
     prompt = chain_tree(torch.randint(0, 1000, (cache_len,)).tolist(), device)
     first = batch_inputs([prompt], [0], cache_len, device)
@@ -45,7 +46,7 @@ def step_fn(model, kind: str, tokens: int, cache_len: int):
 
     def step():
         hidden, _ = forward(inputs.tokens, inputs.positions, inputs.slots, allowed, 1, length)
-        model.lm_head(hidden[0])
+        forward.logits(hidden[0])  # the lm_head as the engine runs it
         sync_device(device)
     return step
 

@@ -122,3 +122,43 @@ def test_an_unsupported_family_is_refused_for_fast_and_served_by_hf():
         make_forward(model, "nope", max_rows=1, max_len=16)
     assert isinstance(make_forward(tiny_family("llama2-7b"), "auto", max_rows=1, max_len=16), FastLlama)
     assert isinstance(make_forward(tiny_family("llama2-7b"), "hf", max_rows=1, max_len=16), HFForward)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "qwen2.5-7b-instruct"])  # qwen2: q/k/v biases through the packed op
+def test_packed_weights_compute_the_modules_own_linear(preset):
+    """engine.weights=packed (auto in bf16 on a CPU): every linear layer of the fast forward runs
+    on a oneDNN-prepacked copy of the module's weight. Its logits are HF's bf16 forward's within
+    bf16 rounding, chunked prefill, tree and all, and a row's logits do not depend on how many
+    rows share the forward (one row alone against three)."""
+    model = tiny_family(preset).to(torch.bfloat16)
+    fwd = make_forward(model, "fast", max_rows=3, max_len=64)  # auto: packed here
+    assert fwd.packed is not None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (11, 5, 8)]
+    last = prefill(fwd, model, prompts, chunk=4, rows=[0, 1, 2])
+    assert len(fwd.packed) == 4 * model.config.num_hidden_layers  # (q, k, v), o, (gate, up), down of every layer
+    for p, logits in zip(prompts, last):
+        torch.testing.assert_close(logits.float(), hf_logits(model, p).float(), rtol=0.02, atol=0.02)
+    trees = [DraftTree(tokens=torch.randint(0, 160, (len(TREE),), generator=g), parents=torch.tensor(TREE))
+             for _ in range(3)]
+    together = run(fwd, model, trees, [len(p) for p in prompts])
+    alone = make_forward(model, "fast", max_rows=1, max_len=64)
+    prefill(alone, model, prompts[:1], chunk=4)
+    (first,) = run(alone, model, trees[:1], [len(prompts[0])])
+    assert torch.equal(first, together[0])
+
+
+def test_packed_weights_are_refused_where_they_cannot_run():
+    model = tiny_family("smollm2-135m")  # float64
+    with pytest.raises(DraftsmithError, match="engine.weights=packed prepacks bf16 / fp16 .*torch.float64") as e:
+        make_forward(model, "fast", max_rows=1, max_len=16, weights="packed")
+    assert "\n" not in str(e.value)
+    assert make_forward(model, "fast", max_rows=1, max_len=16).packed is None  # auto: the module's own weights
+    bf16 = model.to(torch.bfloat16)
+    with pytest.raises(DraftsmithError, match="engine.weights=packed and engine.invariant"):
+        make_forward(bf16, "fast", max_rows=1, max_len=16, invariant=True, weights="packed")
+    with pytest.raises(DraftsmithError, match="engine.forward=hf here"):
+        make_forward(bf16, "hf", max_rows=1, max_len=16, weights="packed")
+    with pytest.raises(DraftsmithError, match="engine.weights='fast'.*valid: auto, packed, plain"):
+        make_forward(bf16, "fast", max_rows=1, max_len=16, weights="fast")
+    assert make_forward(bf16, "fast", max_rows=1, max_len=16, weights="plain").packed is None

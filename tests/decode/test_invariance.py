@@ -106,15 +106,18 @@ def test_every_token_gets_its_plain_steps_logits_bit_for_bit(wide, mode, dtype):
 def test_a_shape_dependent_forward_is_caught(wide, monkeypatch):
     """Teeth: from 16 rows on, the linear layers round through float32 (another kernel, as a
     library might pick): tokens verified in a wide step no longer get their plain logits."""
-    real = FastLlama.linear
+    real, real_many = FastLlama.linear, FastLlama.linears  # (one calls the other: packed or not)
 
-    def shape_dependent(self, module, x):
-        if x.reshape(-1, x.shape[-1]).shape[0] >= 16:
-            return torch.nn.functional.linear(x.float(), module.weight.float()).to(x.dtype)
-        return real(self, module, x)
+    def many_rows(x):
+        return x.reshape(-1, x.shape[-1]).shape[0] >= 16
 
-    monkeypatch.setattr(FastLlama, "linear", shape_dependent)
-    monkeypatch.setattr(FastLlama, "logits", lambda self, h: real(self, self.model.get_output_embeddings(), h))
+    def fp32(module, x):
+        return torch.nn.functional.linear(x.float(), module.weight.float()).to(x.dtype)
+
+    monkeypatch.setattr(FastLlama, "linear", lambda self, m, x: fp32(m, x) if many_rows(x) else real(self, m, x))
+    monkeypatch.setattr(FastLlama, "linears", lambda self, ms, x: [fp32(m, x) for m in ms] if many_rows(x)
+                        else real_many(self, ms, x))
+    monkeypatch.setattr(FastLlama, "logits", lambda self, h: self.linear(self.model.get_output_embeddings(), h))
     assert mismatches(wide[torch.bfloat16], invariant=False) > 0
 
 
