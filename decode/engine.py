@@ -655,9 +655,10 @@ _ENGINES: "weakref.WeakKeyDictionary[PreTrainedModel, list]" = weakref.WeakKeyDi
 _ENGINES_LOCK = threading.Lock()
 
 
-def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=False) -> "Engine":
+def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=False,
+                   weights: str = "auto") -> "Engine":
     """A one-row engine for this model, reused across calls (its cache grows to the longest)."""
-    kind = (forward, invariant)
+    kind = (forward, invariant, weights)
     with _ENGINES_LOCK:
         pool = _ENGINES.setdefault(model, [])
         for engine in pool:
@@ -665,7 +666,7 @@ def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=
                 engine.in_use = True
                 return engine
     engine = Engine(model, max_num_seqs=1, max_len=max(256, tokens + 2 * SLOT_BUCKET), forward=forward,
-                    prefill_chunk=1 << 30, invariant=invariant)
+                    prefill_chunk=1 << 30, invariant=invariant, weights=weights)
     engine.kind, engine.in_use = kind, True
     with _ENGINES_LOCK:
         _ENGINES.setdefault(model, []).append(engine)
@@ -691,6 +692,7 @@ def generate(
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     forward: str = "auto",
     invariant=False,
+    weights: str = "auto",
 ) -> "GenerationOutput":
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding: an
     Engine with one row (the prompt read in one forward).
@@ -720,6 +722,7 @@ def generate(
         decode/forward.py): every token's logits are those of a plain step, bit for bit, whatever
         the tree (greedy output = plain greedy output, and with acceptance="coupled" sampled
         output = plain sampling's, in bf16 too).
+      weights: the fast forward's linear weights (auto | packed | plain; decode/forward.py packs).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.
@@ -734,7 +737,7 @@ def generate(
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)  # validated
     sampling.resolve_rule(acceptance, params)
     check_architecture(model)
-    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens, invariant)
+    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens, invariant, weights)
     try:
         request = engine.add(input_ids[0].tolist(), proposer=proposer, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, acceptance=acceptance,

@@ -191,6 +191,7 @@ def run(cfg: DictConfig) -> dict:
                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                            top_k=cfg.top_k, top_p=cfg.top_p, acceptance=acceptance,
                                            forward=cfg.engine.forward, invariant=cfg.engine.invariant,
+                                           weights=cfg.engine.weights,
                                            desc=f"evaluate {method}"):
         prompt, ids = prompts[i], prompts_ids[i]
         for name, out in results.items():
@@ -271,7 +272,7 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
     same, agree, total = 0, 0, 0
     for ids, tuned in zip(prompts_ids, tuned_outputs):
         ref = generate(model, ids, max_new_tokens=cfg.max_new_tokens, forward=cfg.engine.forward,
-                       invariant=cfg.engine.invariant).tokens
+                       invariant=cfg.engine.invariant, weights=cfg.engine.weights).tokens
         n = next((i for i, (a, b) in enumerate(zip(tuned.tokens, ref)) if a != b), min(len(tuned.tokens), len(ref)))
         same += tuned.tokens == ref
         agree, total = agree + n, total + max(len(tuned.tokens), len(ref))

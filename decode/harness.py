@@ -34,7 +34,7 @@ def plain_rule(acceptance: str) -> str:
 
 def interleaved(model, prompts_ids: list[torch.Tensor], runs: dict, *, num_samples: int, seed: int,
                 max_new_tokens: int, temperature: float, top_k: int, top_p: float, acceptance: str = "auto",
-                forward: str = "auto", invariant=False, desc: str = "evaluate"):
+                forward: str = "auto", invariant=False, weights: str = "auto", desc: str = "evaluate"):
     """Yield (prompt index, sample index, sample seed, {name: GenerateOutput}) for every prompt
     (prompts_ids: (1, T) each) and sample: each decoder of `runs` on the same ids, generator seeded
     the same, the order rotating with the prompt; plain decoding keeps coupled sampling (plain_rule)."""
@@ -49,7 +49,7 @@ def interleaved(model, prompts_ids: list[torch.Tensor], runs: dict, *, num_sampl
                 outs[name] = generate(model, ids, proposer=runs[name], max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_p=top_p, top_k=top_k, generator=gen,
                                       acceptance=plain_rule(acceptance) if runs[name] is None else acceptance,
-                                      forward=forward, invariant=invariant)
+                                      forward=forward, invariant=invariant, weights=weights)
             yield i, s, sample_seed, {name: outs[name] for name in names}
 
 
