@@ -372,10 +372,11 @@ FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 WEIGHTS = {"auto": "auto", "packed": "packed", "plain": "plain"}  # engine.weights
 
 
-def packs(model, weights: str, invariant=None) -> bool:
+def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     """Whether the fast forward runs its linear layers on oneDNN-prepacked weights (engine.weights):
     packed: yes (a bf16 / fp16 verifier on the CPU); plain: the modules' own weights; auto: packed
-    exactly there, unless a shape-invariant mode runs its own linear layers. On this 2-core box a
+    exactly there, unless a shape-invariant mode runs its own linear layers or the step is compiled
+    (torch.compile cannot trace the prepacked weights). On this 2-core box a
     one-row bf16 step's matrix products take 15.6 ms instead of 21.9, bit for bit the same up to 16
     rows (scripts/bench/profile_step.py); the price is a second copy of the layer weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
@@ -387,7 +388,11 @@ def packs(model, weights: str, invariant=None) -> bool:
     if weights == "packed" and invariant_mode(invariant) is not None:
         raise DraftsmithError("engine.weights=packed and engine.invariant both choose how the linear layers run: "
                               "drop one (engine.weights=auto picks packed only without engine.invariant)")
-    return weights == "packed" or (weights == "auto" and fits and invariant_mode(invariant) is None)
+    if weights == "packed" and choose(COMPILERS, compile, "engine.compile") is not None:
+        raise DraftsmithError(f"engine.weights=packed cannot run under engine.compile={compile} (torch.compile cannot "
+                              f"trace oneDNN's prepacked weights): set engine.compile=none or engine.weights=auto")
+    return weights == "packed" or (weights == "auto" and fits and invariant_mode(invariant) is None
+                                   and choose(COMPILERS, compile, "engine.compile") is None)
 
 
 def make_forward(model, kind: str, max_rows: int, max_len: int, invariant=None, compile: str = "none",
@@ -396,7 +401,7 @@ def make_forward(model, kind: str, max_rows: int, max_len: int, invariant=None, 
     FastLlama's shape-invariant mode (engine.invariant: false | true | rows | float64); compile:
     none | inductor (engine.compile); weights: auto | packed | plain (engine.weights, fast only)."""
     choose(FORWARDS, kind, "engine.forward")
-    packed = packs(model, weights, invariant)
+    packed = packs(model, weights, invariant, compile)
     invariant = invariant_mode(invariant)
     backend = choose(COMPILERS, compile, "engine.compile")
     if kind == "auto":

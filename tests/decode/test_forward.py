@@ -162,3 +162,6 @@ def test_packed_weights_are_refused_where_they_cannot_run():
     with pytest.raises(DraftsmithError, match="engine.weights='fast'.*valid: auto, packed, plain"):
         make_forward(bf16, "fast", max_rows=1, max_len=16, weights="fast")
     assert make_forward(bf16, "fast", max_rows=1, max_len=16, weights="plain").packed is None
+    with pytest.raises(DraftsmithError, match="engine.weights=packed cannot run under engine.compile=count"):
+        make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count", weights="packed")
+    assert make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count").packed is None  # auto: compiled
