@@ -64,7 +64,7 @@ from transformers.cache_utils import Cache
 
 from draftsmith.decode import sampling
 from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
-from draftsmith.decode.proposers import DraftTree, Proposer
+from draftsmith.decode.proposers import DraftTree, Proposer, drive_together
 from draftsmith.decode.quant import QUANTS, int8_copy, int8_linear, quantize_rows
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
 from draftsmith.decode.tree import additive_mask, ancestor_mask
@@ -422,29 +422,20 @@ class _DraftStack:
                             use_cache=True).last_hidden_state
 
     def drive(self, builders: list, proposer: DraftModelProposer) -> list:
-        """Run every row's generator (``DraftModelProposer._draft``): each round's forwards of all
-        rows in one ``feed`` and their logits in one lm_head call -> what each returns."""
-        m = len(builders)
-        replies, trees = [None] * m, [None] * m
-        live = list(range(m))
-        while live:
-            asks = {}
-            for b in live:
-                try:
-                    asks[b] = builders[b].send(replies[b])
-                except StopIteration as done:
-                    trees[b] = done.value
-            live = sorted(asks)
-            if live:
-                hidden = self.feed({b: asks[b][:3] for b in live})  # (m, g, H)
-                picks = [(b, len(asks[b][0]) - 1, len(asks[b][0])) if asks[b][3] else (b, 0, len(asks[b][0]))
-                         for b in live]  # each row's states to project: its last (last_only) or all
-                logits = proposer._to_logits(torch.cat([hidden[b, lo:hi] for b, lo, hi in picks]))
-                start = 0
-                for b, lo, hi in picks:
-                    replies[b] = logits[start:start + hi - lo]
-                    start += hi - lo
-        return trees
+        """Run every row's generator (``DraftModelProposer._draft``; decode.proposers.drive_together):
+        each round's forwards of all rows in one ``feed`` and their logits in one lm_head call ->
+        what each returns."""
+        return drive_together(builders, lambda asks: self._serve(asks, proposer))
+
+    def _serve(self, asks: dict, proposer: DraftModelProposer) -> dict:
+        hidden = self.feed({b: ask[:3] for b, ask in asks.items()})  # (m, g, H)
+        picks = [(b, len(ask[0]) - 1 if ask[3] else 0, len(ask[0])) for b, ask in sorted(asks.items())]
+        logits = proposer._to_logits(torch.cat([hidden[b, lo:hi] for b, lo, hi in picks]))  # each row's last or all
+        replies, start = {}, 0
+        for b, lo, hi in picks:
+            replies[b] = logits[start:start + hi - lo]
+            start += hi - lo
+        return replies
 
     def undo(self) -> None:
         """A proposal that raised: one row's own cache loses what this step fed (more rows fed

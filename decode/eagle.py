@@ -48,7 +48,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from draftsmith.decode.cache import BufferedLayer, new_cache
-from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain
+from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain, drive_together
 from draftsmith.decode.quant import QUANTS, int8_copy
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
@@ -407,50 +407,46 @@ def _settle(proposers: list[EagleProposer]) -> None:
 
 
 def _drive(builders: list, stack: DrafterStack, proposer: EagleProposer) -> list[DraftTree]:
-    """Run every row's tree builder; each stage's requests of all rows are served in one call:
-    one lm_head + top-k over every row's features, one drafter forward over every row's nodes."""
-    m = len(builders)
-    replies, trees = [None] * m, [None] * m
-    live = list(range(m))
-    while live:
-        asks = {}
-        for b in live:
-            try:
-                asks[b] = builders[b].send(replies[b])
-            except StopIteration as done:
-                trees[b] = done.value
-        live = sorted(asks)
-        for k in sorted({asks[b][2] for b in live if asks[b][0] == "top"}):
-            members = [b for b in live if asks[b][0] == "top" and asks[b][2] == k]
-            feats = [asks[b][1] for b in members]
-            top = torch.topk(proposer._log_probs(torch.cat(feats)), k, dim=-1)  # (sum f, k)
-            values, ids = top.values.double().cpu(), proposer.drafter.to_target_ids(top.indices)
-            start = 0
-            for b, f in zip(members, feats):
-                replies[b] = values[start:start + len(f)], ids[start:start + len(f)]
-                start += len(f)
-        members = [b for b in live if asks[b][0] == "nodes"]
-        if members:
-            g = max(asks[b][1].numel() for b in members)
-            S = stack.cache.get_seq_length() - stack.base.shape[1]
-            H = stack.root_out.shape[-1]
-            tokens = torch.zeros(m, g, dtype=torch.long, device=stack.device)
-            feats = torch.zeros(m, g, H, dtype=stack.dtype, device=stack.device)
-            depths = torch.zeros(m, g, dtype=torch.long)
-            real = torch.zeros(m, g, dtype=torch.bool, device=stack.device)
-            rows, cols, slots = [], [], []
-            for b in members:
-                _, t, f, d, anc = asks[b]
-                n = t.numel()
-                tokens[b, :n], feats[b, :n], depths[b, :n], real[b, :n] = t, f, d, True
-                for i, a in enumerate(anc):
-                    rows += [b] * len(a)
-                    cols += [i] * len(a)
-                    slots += a
-            ancestors = torch.zeros(m, g, S, dtype=torch.bool, device=stack.device)
-            if slots:
-                ancestors[rows, cols, slots] = True
-            out, first = stack.nodes(tokens, feats, depths, ancestors, real, proposer._embed)
-            for b in members:
-                replies[b] = out[b, : asks[b][1].numel()], first
-    return trees
+    """Run every row's tree builder (decode.proposers.drive_together), each stage's asks of all rows
+    served in one call: one lm_head + top-k over every row's features, one drafter forward over
+    every row's nodes."""
+    return drive_together(builders, lambda asks: _serve(asks, stack, proposer))
+
+
+def _serve(asks: dict, stack: DrafterStack, proposer: EagleProposer) -> dict:
+    """{row: ask} -> {row: reply} (the asks of EagleProposer's tree builders)."""
+    m, live, replies = stack.root_out.shape[0], sorted(asks), {}
+    for k in sorted({asks[b][2] for b in live if asks[b][0] == "top"}):
+        members = [b for b in live if asks[b][0] == "top" and asks[b][2] == k]
+        feats = [asks[b][1] for b in members]
+        top = torch.topk(proposer._log_probs(torch.cat(feats)), k, dim=-1)  # (sum f, k)
+        values, ids = top.values.double().cpu(), proposer.drafter.to_target_ids(top.indices)
+        start = 0
+        for b, f in zip(members, feats):
+            replies[b] = values[start:start + len(f)], ids[start:start + len(f)]
+            start += len(f)
+    members = [b for b in live if asks[b][0] == "nodes"]
+    if members:
+        g = max(asks[b][1].numel() for b in members)
+        S = stack.cache.get_seq_length() - stack.base.shape[1]
+        H = stack.root_out.shape[-1]
+        tokens = torch.zeros(m, g, dtype=torch.long, device=stack.device)
+        feats = torch.zeros(m, g, H, dtype=stack.dtype, device=stack.device)
+        depths = torch.zeros(m, g, dtype=torch.long)
+        real = torch.zeros(m, g, dtype=torch.bool, device=stack.device)
+        rows, cols, slots = [], [], []
+        for b in members:
+            _, t, f, d, anc = asks[b]
+            n = t.numel()
+            tokens[b, :n], feats[b, :n], depths[b, :n], real[b, :n] = t, f, d, True
+            for i, a in enumerate(anc):
+                rows += [b] * len(a)
+                cols += [i] * len(a)
+                slots += a
+        ancestors = torch.zeros(m, g, S, dtype=torch.bool, device=stack.device)
+        if slots:
+            ancestors[rows, cols, slots] = True
+        out, first = stack.nodes(tokens, feats, depths, ancestors, real, proposer._embed)
+        for b in members:
+            replies[b] = out[b, : asks[b][1].numel()], first
+    return replies

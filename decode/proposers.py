@@ -226,6 +226,27 @@ class MedusaProposer(Proposer):
                 for row in tokens]
 
 
+def drive_together(builders: list, serve) -> list:
+    """Run one generator per row side by side: each round takes every live generator's next
+    request, ``serve({row: request}) -> {row: reply}`` answers them all at once (one drafter call
+    for every row), and each reply is sent back; -> what each generator returns."""
+    replies, results = [None] * len(builders), [None] * len(builders)
+    live = list(range(len(builders)))
+    while live:
+        asks = {}
+        for b in live:
+            try:
+                asks[b] = builders[b].send(replies[b])
+            except StopIteration as done:
+                results[b] = done.value
+        live = sorted(asks)
+        if live:
+            replies = [None] * len(builders)
+            for b, reply in serve(asks).items():
+                replies[b] = reply
+    return results
+
+
 # name -> "module:Class". Proposers in other modules are imported when first built (they
 # import this module for the base class, so importing them here would be circular).
 PROPOSERS: dict[str, str] = {

@@ -126,3 +126,22 @@ def drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch,
     finally:
         hook.remove()
     return alone, together, max(rows_seen)
+
+
+def check_rows_draft_as_alone(model, template, prompts, new_tokens, monkeypatch, mask_module, sampled=None) -> list:
+    """drafts_alone_and_together's checks: one drafter forward served all the rows, each row drafted
+    exactly its trees alone (more than 3 steps) and emitted its tokens alone (at T = 0: the
+    verifier's own greedy output); teeth: with `mask_module`'s additive_mask letting a token see
+    every slot of its row (padding, other branches), the rows draft otherwise. -> together."""
+    from tests.laws import reference
+
+    alone, together, widest = drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch, sampled)
+    assert widest == len(prompts)
+    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(prompts, new_tokens, alone, together):
+        assert out_a == out_t and trees_a == trees_t and len(trees_a) > 3
+        if sampled is None:
+            assert out_a == reference(model, torch.tensor([p]), n, eos_token_id=None)
+    monkeypatch.setattr(mask_module, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
+    _, broken, _ = drafts_alone_and_together(model, template, prompts, new_tokens, monkeypatch, sampled)
+    assert [trees for _, trees in broken] != [trees for _, trees in together]
+    return together

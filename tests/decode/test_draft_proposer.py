@@ -25,7 +25,7 @@ from draftsmith.decode.draft import DraftModelProposer, level_mask, sample_witho
 from draftsmith.decode.engine import generate
 from draftsmith.decode.sampling import logits_to_probs
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.rows import drafts_alone_and_together
+from tests.decode.rows import check_rows_draft_as_alone
 from tests.drafters import noisy_copy
 from tests.laws import (assert_engine_law, LAW_PROMPT, RecordingRule, V, assert_cache_is_prefill, engine_counts, exact_law, law_model,
                         law_test, prompt, reference, smoke_counts)
@@ -466,16 +466,7 @@ def test_rows_draft_together_what_they_draft_alone(models, case, temperature, mo
     verifier = models[0]
     template = make(models, case)
     prompts = [prompt(121, 9)[0].tolist(), prompt(122, 20)[0].tolist(), prompt(123, 5)[0].tolist()]
-    new = [24, 30, 16]
     seeded = (lambda i: dict(temperature=temperature, generator=torch.Generator().manual_seed(i))) if temperature else None
-    alone, together, widest = drafts_alone_and_together(verifier, template, prompts, new, monkeypatch, seeded)
-    assert widest == 3
-    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(prompts, new, alone, together):
-        assert out_a == out_t and trees_a == trees_t and len(trees_a) > 3
-        if not temperature:
-            assert out_a == reference(verifier, torch.tensor([p]), n, eos_token_id=None)
+    together = check_rows_draft_as_alone(verifier, template, prompts, [24, 30, 16], monkeypatch, draft, seeded)
     if case == "heuristic":
         assert len({len(t[0]) for _, trees in together for t in trees}) > 2  # rows drafted different depths
-    monkeypatch.setattr(draft, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
-    _, broken, _ = drafts_alone_and_together(verifier, template, prompts, new, monkeypatch, seeded)
-    assert [trees for _, trees in broken] != [trees for _, trees in together]

@@ -14,7 +14,7 @@ import torch
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate
 from draftsmith.decode.proposers import make_proposer
-from tests.decode.rows import drafts_alone_and_together
+from tests.decode.rows import check_rows_draft_as_alone
 from tests.drafters import fitted_drafter, random_eagle_proposer
 from tests.laws import (sample_case, RecordingProposer, RecordingRule, engine_counts, exact_law, law_model, law_test,
                         prompt, reference, residual_from_p_walk, tree_paths)
@@ -269,12 +269,4 @@ def test_rows_draft_together_what_they_draft_alone(greedy_setup, variant, tree, 
 
     model, drafters = greedy_setup
     template = proposer_for(model, drafters[variant], tree)
-    new = [24, 30, 16]
-    alone, together, widest = drafts_alone_and_together(model, template, BATCH_PROMPTS, new, monkeypatch)
-    assert widest == 3
-    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(BATCH_PROMPTS, new, alone, together):
-        assert out_a == out_t == reference(model, torch.tensor([p]), n, eos_token_id=None)
-        assert trees_a == trees_t and len(trees_a) > 3
-    monkeypatch.setattr(eagle, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
-    _, broken, _ = drafts_alone_and_together(model, template, BATCH_PROMPTS, new, monkeypatch)
-    assert [trees for _, trees in broken] != [trees for _, trees in together]
+    check_rows_draft_as_alone(model, template, BATCH_PROMPTS, [24, 30, 16], monkeypatch, eagle)

@@ -25,7 +25,7 @@ from draftsmith.models.errors import DraftsmithError
 from tests.drafters import PEAGLE_K as K
 from tests.drafters import PEAGLE_MASK as MASK
 from tests.drafters import fitted_drafter, fitted_peagle
-from tests.decode.rows import Alternating, drafts_alone_and_together
+from tests.decode.rows import Alternating, check_rows_draft_as_alone
 from tests.laws import (sample_case, RecordingProposer, RecordingRule, V, engine_counts, exact_law, law_model, law_test,
                         prompt, reference, residual_from_p_walk, tree_paths)
 from tests.tiny import tiny_llama
@@ -305,12 +305,4 @@ def test_rows_draft_together_what_they_draft_alone(setup, tree, monkeypatch):
     model, drafter = setup
     template = proposer_for(model, drafter, tree)
     prompts = [prompt(71, 9)[0].tolist(), prompt(72, 20)[0].tolist(), prompt(73, 5)[0].tolist()]
-    new = [24, 30, 16]
-    alone, together, widest = drafts_alone_and_together(model, template, prompts, new, monkeypatch)
-    assert widest == 3
-    for p, n, (out_a, trees_a), (out_t, trees_t) in zip(prompts, new, alone, together):
-        assert out_a == out_t == reference(model, torch.tensor([p]), n, eos_token_id=None)
-        assert trees_a == trees_t and len(trees_a) > 3
-    monkeypatch.setattr(eagle, "additive_mask", lambda allowed, dtype: torch.zeros(allowed.shape, dtype=dtype))
-    _, broken, _ = drafts_alone_and_together(model, template, prompts, new, monkeypatch)
-    assert [trees for _, trees in broken] != [trees for _, trees in together]
+    check_rows_draft_as_alone(model, template, prompts, [24, 30, 16], monkeypatch, eagle)
