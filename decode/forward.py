@@ -376,9 +376,10 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     """Whether the fast forward runs its linear layers on oneDNN-prepacked weights (engine.weights):
     packed: yes (a bf16 / fp16 verifier on the CPU); plain: the modules' own weights; auto: packed
     exactly there, unless a shape-invariant mode runs its own linear layers or the step is compiled
-    (torch.compile cannot trace the prepacked weights). On this 2-core box a
-    one-row bf16 step's matrix products take 15.6 ms instead of 21.9, bit for bit the same up to 16
-    rows (scripts/bench/profile_step.py); the price is a second copy of the layer weights in memory."""
+    (torch.compile cannot trace the prepacked weights). On the 2-core dev box a one-row bf16
+    SmolLM2 step took 30.4 ms instead of 39.5 (scripts/bench/profile_step.py forwards=[fast,packed]),
+    the products bit for bit F.linear's up to 16 rows; the price is a second copy of the layer
+    weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
     fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
