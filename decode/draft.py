@@ -64,10 +64,10 @@ from transformers.cache_utils import Cache
 
 from draftsmith.decode import sampling
 from draftsmith.decode.cache import check_compactable, compact_cache, new_cache
-from draftsmith.decode.proposers import DraftTree, Proposer, drive_together
+from draftsmith.decode.proposers import CATCH_UP, DraftTree, Proposer, drive_together
 from draftsmith.decode.quant import QUANTS, int8_copy, int8_linear, quantize_rows
 from draftsmith.decode.sampling import SamplingParams, logits_to_probs
-from draftsmith.decode.tree import additive_mask, ancestor_mask
+from draftsmith.decode.tree import additive_mask
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.vocab import is_draft_vocab
 
@@ -87,22 +87,6 @@ def sample_without_replacement(
         out.append(sampling.sample(law, generator))
         law = sampling.without(q, out)
     return out
-
-
-def level_mask(
-    parents: Sequence[int], start: int, committed: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """(1, 1, m, committed + n - 1) additive mask for feeding tree nodes start..n-1 (one level)
-    to a cache that holds ``committed`` tokens (the root last) and then nodes 1..start-1.
-
-    Node i may attend to every committed token, and to the fed nodes that are i itself or its
-    ancestors (the root is the last committed column)."""
-    anc = ancestor_mask(list(parents)).to(device)  # (n, n)
-    m = anc.shape[0] - start
-    allowed = torch.cat(
-        [torch.ones(m, committed, dtype=torch.bool, device=device), anc[start:, 1:]], dim=1
-    )  # (m, committed + n - 1)
-    return additive_mask(allowed, dtype)[None, None]
 
 
 class DraftModelProposer(Proposer):
@@ -358,9 +342,6 @@ class DraftModelProposer(Proposer):
                 self.length = min(self.max_tokens, self.length + 2)
             else:
                 self.length = max(self.min_tokens, self.length - 1)
-
-
-CATCH_UP = 16  # tokens a row brings to the batched forward; an earlier backlog (the prompt) goes alone first
 
 
 class _DraftStack:

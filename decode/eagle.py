@@ -48,7 +48,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from draftsmith.decode.cache import BufferedLayer, new_cache
-from draftsmith.decode.proposers import DraftTree, Proposer, _is_chain, drive_together
+from draftsmith.decode.proposers import CATCH_UP, DraftTree, Proposer, _is_chain, drive_together
 from draftsmith.decode.quant import QUANTS, int8_copy
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
@@ -287,10 +287,6 @@ class EagleProposer(Proposer):
         parents = [-1] + [new[par[i]] for i in keep[1:]]  # KeyError here would mean an invalid tree
         tokens = torch.tensor([tok[i] for i in keep], dtype=torch.long, device=self.device)
         return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=self.device))
-
-
-CATCH_UP = 16  # pending pairs a row brings to the batched forward; earlier ones (a new row's prompt,
-#                the pairs of many plain steps) go through the drafter alone first, not padded for all rows
 
 
 class DrafterStack:

@@ -226,6 +226,10 @@ class MedusaProposer(Proposer):
                 for row in tokens]
 
 
+CATCH_UP = 16  # tokens a row brings to a batched drafter forward; a longer backlog (a new row's prompt,
+#                the tokens of many plain steps) goes through its drafter alone first, not padded for every row
+
+
 def drive_together(builders: list, serve) -> list:
     """Run one generator per row side by side: each round takes every live generator's next
     request, ``serve({row: request}) -> {row: reply}`` answers them all at once (one drafter call

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from draftsmith.decode import sampling
-from draftsmith.decode.draft import DraftModelProposer, level_mask, sample_without_replacement
+from draftsmith.decode.draft import DraftModelProposer, sample_without_replacement
 from draftsmith.decode.engine import generate
 from draftsmith.decode.sampling import logits_to_probs
 from draftsmith.models.errors import DraftsmithError
@@ -293,7 +293,7 @@ def sampling_params(temperature, top_k=0, top_p=1.0):
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def test_sample_without_replacement_and_level_mask():
+def test_sample_without_replacement():
     q = torch.tensor([0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     draws = [tuple(sample_without_replacement(q, 2, g)) for _ in range(4000)]
@@ -304,10 +304,6 @@ def test_sample_without_replacement_and_level_mask():
     second = torch.tensor([d[1] for d in draws if d[0] == 0])
     assert abs(float((second == 2).double().mean()) - 0.6) < 0.04
     assert sample_without_replacement(q, 5, g).__len__() == 3  # only 3 tokens have mass
-    # level mask: tree root(0) -> 1, 2; 1 -> 3; 2 -> 4; feeding level {3, 4} on 5 committed tokens
-    mask = level_mask([-1, 0, 0, 1, 2], start=3, committed=5, dtype=torch.float64, device=torch.device("cpu"))
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1, 0, 1]]
 
 
 def test_config_errors_are_one_line(models):
