@@ -25,10 +25,11 @@ Two implementations, chosen by `engine.forward` (FORWARDS; unknown values refuse
 - fast: a purpose-built forward for the Llama family (llama, mistral, qwen2: RMSNorm, rotary
   embeddings with HF's own inv_freq and scaling, grouped-query attention, optional q/k/v/o and
   MLP biases, SwiGLU), running from the HF model's own weights (no copy). Its arithmetic follows
-  HF's modules op for op (RMSNorm in float32, rotate_half, softmax in float32); checked logit
-  for logit against HF's forward on tiny configs of every preset family
-  (tests/decode/test_forward.py). One Python call per layer op, no HF module dispatch, no
-  mask building per layer: the per-step overhead that eager HF pays 30 times.
+  HF's modules (RMSNorm in float32, the rotary embedding bit for bit, attention through torch's
+  fused scaled_dot_product_attention as HF's default sdpa attention runs it); checked logit for
+  logit against HF's forward on tiny configs of every preset family
+  (tests/decode/test_forward.py). One Python call per layer op, q's and k's rotary embedding in
+  one, no HF module dispatch, one mask per step: the per-step overhead that eager HF pays 30 times.
 - hf: the HF model's own decoder with a transformers Cache that writes into the same static
   cache (the fallback for every other architecture).
 - auto: fast when the architecture is supported, else hf.
@@ -182,10 +183,13 @@ class FastLlama:
         self.scale = self.layers[0].self_attn.scaling
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) (B, 1, N, D) in `dtype`, as HF's rotary embedding computes them."""
+        """(cos, signed sin) (B, 1, N, D) in `dtype`, as HF's rotary embedding computes them, the
+        sin's first half negated: x * cos + swap_halves(x) * signed sin == HF's
+        x * cos + rotate_half(x) * sin bit for bit (a negation is exact), in one op fewer."""
         freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        sin = torch.cat((-sin[..., : freqs.shape[-1]], sin[..., freqs.shape[-1]:]), dim=-1)
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
     @torch.inference_mode()
@@ -203,27 +207,33 @@ class FastLlama:
         """The step itself: static shapes per (B, N, S) bucket, no host syncs (compilable whole);
         keep[i]: return layer i's output."""
         B, N = tokens.shape
+        Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
         h = self.embed(tokens)  # (B, N, H)
-        cos, sin = self.rope(positions, h.dtype)
-        mask = allowed[:, None]  # (B, 1, N, S) bool: True = attend
+        cos, sin = self.rope(positions, h.dtype)  # (B, 1, N, D)
+        exact = self.invariant is not None
+        # (B, 1, N, S): bool (True = attend) for the exact attention, else an additive mask (0 or -inf)
+        # in the model's dtype (the fused attention misreads one of another dtype), made once here
+        # rather than converted in every layer
+        mask = allowed[:, None] if exact else torch.zeros(
+            allowed.shape, dtype=h.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
         captured = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm)
-            lin = self.linear
-            q, k, v = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
-            q = q.view(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, N, D)
-            k = k.view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
-            v = v.view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x, joined=True)  # (B, N, (Hq + 2 Hkv) D)
+            qk = qkv[..., : (Hq + Hkv) * D].view(B, N, Hq + Hkv, D).transpose(1, 2)  # (B, Hq + Hkv, N, D)
+            swapped = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # halves swapped
+            qk = qk * cos + swapped * sin  # the rotary embedding of q's and k's heads at once
+            q, k = qk[:, :Hq], qk[:, Hq:]  # (B, Hq, N, D), (B, Hkv, N, D)
+            v = qkv[..., (Hq + Hkv) * D:].view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
             self.cache.write(i, k, v, rows, slots)
             keys, values = self.cache.read(i, rows, length)  # (B, Hkv, S, D)
-            o = attention(q, keys, values, mask, self.scale, exact=self.invariant is not None)  # (B, N, Hq * D)
-            h = h + lin(attn.o_proj, o)
+            o = attention(q, keys, values, mask, self.scale, exact=exact)  # (B, N, Hq * D)
+            h = h + self.linear(attn.o_proj, o)
             x = rms_norm(h, layer.post_attention_layernorm)
             mlp = layer.mlp
             gate, up = self.linears((mlp.gate_proj, mlp.up_proj), x)
-            h = h + lin(mlp.down_proj, F.silu(gate) * up)
+            h = h + self.linear(mlp.down_proj, F.silu(gate) * up)
             if keep[i] and i < self.num_layers - 1:
                 captured.append(h)
         hidden = rms_norm(h, self.norm)
@@ -232,12 +242,14 @@ class FastLlama:
         return hidden, (torch.cat(captured, dim=-1) if captured else None)
 
 
-    def linears(self, modules: tuple, x: torch.Tensor) -> list[torch.Tensor]:
-        """[module(x) for module in modules] (linear layers reading the same x). Packed: ONE product
-        over their weights stacked and prepacked together (q, k, v; gate, up), split after: each
-        output element is the same dot product, and a wider matrix reads faster than three."""
+    def linears(self, modules: tuple, x: torch.Tensor, joined: bool = False):
+        """[module(x) for module in modules] (linear layers reading the same x); joined: their
+        outputs side by side in one tensor (..., sum out). Packed: ONE product over their weights
+        stacked and prepacked together (q, k, v; gate, up), split after: each output element is the
+        same dot product, and a wider matrix reads faster than three."""
         if self.invariant is not None or self.packed is None:
-            return [self.linear(m, x) for m in modules]
+            outs = [self.linear(m, x) for m in modules]
+            return torch.cat(outs, dim=-1) if joined else outs
         if modules not in self.packed:
             weight = torch.cat([m.weight for m in modules])  # (sum out, in)
             bias = (None if all(m.bias is None for m in modules) else
@@ -245,7 +257,8 @@ class FastLlama:
             self.packed[modules] = (torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias)
         packed, bias = self.packed[modules]
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-        return [part.reshape(*x.shape[:-1], -1) for part in out.split([m.out_features for m in modules], dim=-1)]
+        out = out.view(*x.shape[:-1], -1)
+        return out if joined else list(out.split([m.out_features for m in modules], dim=-1))
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
         """module(x); invariant="rows": over chunks of exactly `chunk` rows (the last padded);
@@ -303,27 +316,29 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch.Tensor:
-    """Grouped-query attention, eager's arithmetic (softmax in float32; float64 stays float64):
-    q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S) bool -> (B, N, Hq * D).
-    The query heads of a group are stacked along the query axis (no repeated keys).
-    exact: everything in float64, the result rounded to q's dtype (FastLlama's invariant mode)."""
-    if exact:
-        return attention(q.double(), keys.double(), values.double(), mask, scale).to(q.dtype)
+    """Grouped-query attention: q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S)
+    bool (True = attend) -> (B, N, Hq * D).
+
+    Default: torch's fused scaled_dot_product_attention (on a CPU its flash kernel: float32
+    accumulators, reading the cache's strided views in place; a batched matmul would first copy
+    every row's keys and values out of the cache, ~20 ms a step at 16 rows).
+    exact (FastLlama's invariant mode): eager arithmetic in float64 (scores, softmax and weighted
+    values round at 1e-16, whatever the kernel), the result rounded to q's dtype; the query heads
+    of a group are stacked along the query axis (no repeated keys)."""
+    if not exact:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)  # (B, Hq, N, D)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    dtype, q, keys, values = q.dtype, q.double(), keys.double(), values.double()
     B, Hq, N, D = q.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     group = Hq // kv_heads
     stacked = q.reshape(B, kv_heads, group * N, D)
     scores = torch.matmul(stacked, keys.transpose(2, 3)) * scale  # (B, Hkv, G*N, S)
     scores = scores.view(B, kv_heads, group, N, S).masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.view(B, kv_heads, group * N, S), values)  # (B, Hkv, G*N, D)
-    return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D)
+    return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D).to(dtype)
 
 
 class _StaticLayer(DynamicLayer):

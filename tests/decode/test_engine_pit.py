@@ -155,4 +155,4 @@ def test_the_transform_catches_a_broken_rule(setup, monkeypatch):
     monkeypatch.setattr(sampling, "_residual", residual_not_updated)
     prompts, outs = decode_all(model, proposers["medusa"](), 0.6, seed=2, num_prompts=3 * PROMPTS)
     us = pit_values(model, prompts, outs, 0.6, seed=3, candidates=candidate_lists(outs, recorder))
-    assert kstest(us, "uniform").pvalue < 1e-4
+    assert kstest(us, "uniform").pvalue < 1e-3  # fails the criterion the law test applies (p > 1e-3)

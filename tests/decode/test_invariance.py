@@ -115,8 +115,13 @@ def test_a_shape_dependent_forward_is_caught(wide, monkeypatch):
         return torch.nn.functional.linear(x.float(), module.weight.float()).to(x.dtype)
 
     monkeypatch.setattr(FastLlama, "linear", lambda self, m, x: fp32(m, x) if many_rows(x) else real(self, m, x))
-    monkeypatch.setattr(FastLlama, "linears", lambda self, ms, x: [fp32(m, x) for m in ms] if many_rows(x)
-                        else real_many(self, ms, x))
+    def linears(self, ms, x, joined=False):
+        if not many_rows(x):
+            return real_many(self, ms, x, joined)
+        outs = [fp32(m, x) for m in ms]
+        return torch.cat(outs, dim=-1) if joined else outs
+
+    monkeypatch.setattr(FastLlama, "linears", linears)
     monkeypatch.setattr(FastLlama, "logits", lambda self, h: self.linear(self.model.get_output_embeddings(), h))
     assert mismatches(wide[torch.bfloat16], invariant=False) > 0
 
