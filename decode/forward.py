@@ -216,6 +216,8 @@ class FastLlama:
         # rather than converted in every layer
         mask = allowed[:, None] if exact else torch.zeros(
             allowed.shape, dtype=h.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
+        if not exact and N > 1 and Hq > Hkv:
+            mask = mask.repeat(1, 1, Hq // Hkv, 1)  # (B, 1, G*N, S): the attention's stacked query heads
         captured = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -318,7 +320,8 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch.Tensor:
     """Grouped-query attention: q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S)
-    bool (True = attend) -> (B, N, Hq * D).
+    bool (True = attend) or additive -> (B, N, Hq * D); an additive mask may come tiled over a
+    group's query heads already, (B, 1, G*N, S).
 
     Default: torch's fused scaled_dot_product_attention (on a CPU its flash kernel: float32
     accumulators, reading the cache's strided views in place; a batched matmul would first copy
@@ -327,8 +330,18 @@ def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch
     values round at 1e-16, whatever the kernel), the result rounded to q's dtype; the query heads
     of a group are stacked along the query axis (no repeated keys)."""
     if not exact:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)  # (B, Hq, N, D)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        B, Hq, N, D = q.shape
+        group = Hq // keys.shape[1]
+        if N == 1 or group == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2).reshape(B, N, Hq * D)  # (B, N, Hq * D)
+        # several queries: a group's query heads stacked along the query axis, so each key and value
+        # head is read once for all of them (about twice as fast for a tree or a prompt chunk)
+        if mask.shape[2] == N:
+            mask = mask.repeat(1, 1, group, 1)  # (B, 1, G*N, S)
+        out = F.scaled_dot_product_attention(q.reshape(B, keys.shape[1], group * N, D), keys, values,
+                                             attn_mask=mask, scale=scale)  # (B, Hkv, G*N, D)
+        return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D)
     dtype, q, keys, values = q.dtype, q.double(), keys.double(), values.double()
     B, Hq, N, D = q.shape
     kv_heads, S = keys.shape[1], keys.shape[2]

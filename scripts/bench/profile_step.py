@@ -2,10 +2,11 @@
 
     python scripts/bench/profile_step.py                                   # SmolLM2, bf16 + fp32, 1 and 16 tokens
     python scripts/bench/profile_step.py dtypes=[bfloat16] tokens=[1,8,32] cache_len=512
+    python scripts/bench/profile_step.py dtypes=[bfloat16] forwards=[packed] batch=[1,16] tokens=[1]
 
 For each forward (hf: the HF decoder over the static cache, what the engine ran before; fast:
 the Llama-family forward; compiled: fast under torch.compile when compile=true) x dtype x
-tokens per step: the median step time over `repeats` steps on a `cache_len`-token cache, with
+rows x tokens per step: the median step time over `repeats` steps on a `cache_len`-token cache, with
 the lm_head over the step's tokens, and torch.profiler's top operators by self CPU time for one
 step. Writes output_dir/profile_step.{json,md}.
 """
@@ -30,23 +31,26 @@ from draftsmith.models.verifier import load_verifier, resolve_device
 KINDS = {"hf": ("hf", "plain"), "fast": ("fast", "plain"), "packed": ("fast", "packed"), "compiled": ("fast", "plain")}
 
 
-def step_fn(model, kind: str, tokens: int, cache_len: int):
-    """A closure running one verify step of `tokens` tokens over a `cache_len`-token cache."""
+def step_fn(model, kind: str, tokens: int, cache_len: int, rows: int = 1):
+    """A closure running one verify step of `tokens` tokens in each of `rows` rows, each over its
+    own `cache_len`-token cache."""
     name, weights = KINDS[kind]
-    forward = make_forward(model, name, max_rows=1, max_len=cache_len + tokens + 64,
+    forward = make_forward(model, name, max_rows=rows, max_len=cache_len + tokens + 64,
                            compile="inductor" if kind == "compiled" else "none", weights=weights)
     device = model.device
-    prompt = chain_tree(torch.randint(0, 1000, (cache_len,)).tolist(), device)
-    first = batch_inputs([prompt], [0], cache_len, device)
-    forward(first.tokens, first.positions, first.slots, first.allowed(cache_len), 1, cache_len)
-    tree = chain_tree(torch.randint(0, 1000, (tokens,)).tolist(), device)
-    inputs = batch_inputs([tree], [cache_len], tokens, device)
+    for row in range(rows):  # each row's own prompt read into its cache row
+        prompt = chain_tree(torch.randint(0, 1000, (cache_len,)).tolist(), device)
+        first = batch_inputs([prompt], [0], cache_len, device)
+        forward(first.tokens, first.positions, first.slots, first.allowed(cache_len),
+                torch.tensor([row], device=device), cache_len)
+    trees = [chain_tree(torch.randint(0, 1000, (tokens,)).tolist(), device) for _ in range(rows)]
+    inputs = batch_inputs(trees, [cache_len] * rows, tokens, device)
     length = cache_len + tokens
     allowed = inputs.allowed(length)
 
     def step():
-        hidden, _ = forward(inputs.tokens, inputs.positions, inputs.slots, allowed, 1, length)
-        forward.logits(hidden[0])  # the lm_head as the engine runs it
+        hidden, _ = forward(inputs.tokens, inputs.positions, inputs.slots, allowed, rows, length)
+        forward.logits(hidden.reshape(-1, hidden.shape[-1]))  # the lm_head as the engine runs it
         sync_device(device)
     return step
 
@@ -89,14 +93,16 @@ def run(cfg: DictConfig) -> dict:
     for dtype in cfg.dtypes:
         verifier = load_verifier(OmegaConf.merge(cfg.model, {"dtype": dtype}), device=device)
         with torch.inference_mode():
-            for tokens in cfg.tokens:
-                for kind in cfg.forwards:
-                    step = step_fn(verifier.model, kind, int(tokens), int(cfg.cache_len))
-                    seconds = measure(step, int(cfg.repeats))
-                    row = {"forward": kind, "dtype": dtype, "tokens": int(tokens), "ms": 1000 * seconds,
-                           "top_ops": top_ops(step)}
-                    report["rows"].append(row)
-                    print(f"profile_step: {kind} {dtype} {tokens} tokens: {1000 * seconds:.1f} ms", flush=True)
+            for rows in cfg.batch:
+                for tokens in cfg.tokens:
+                    for kind in cfg.forwards:
+                        step = step_fn(verifier.model, kind, int(tokens), int(cfg.cache_len), int(rows))
+                        seconds = measure(step, int(cfg.repeats))
+                        row = {"forward": kind, "dtype": dtype, "batch": int(rows), "tokens": int(tokens),
+                               "ms": 1000 * seconds, "top_ops": top_ops(step)}
+                        report["rows"].append(row)
+                        print(f"profile_step: {kind} {dtype} {rows} rows x {tokens} tokens: {1000 * seconds:.1f} ms",
+                              flush=True)
         del verifier
     write_atomic_text(out_dir / "profile_step.json", json.dumps(report, indent=2))
     table = markdown(report)
@@ -107,11 +113,12 @@ def run(cfg: DictConfig) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}, {report['threads']} threads, load {report['load_avg_1m']:.1f}, "
-             f"cache {report['cache_len']} tokens; one verify step (forward + lm_head), median", "",
-             "| forward | dtype | tokens | ms / step | top operators (self CPU share) |", "|---|---|---|---|---|"]
+             f"cache {report['cache_len']} tokens per row; one verify step (forward + lm_head), median", "",
+             "| forward | dtype | rows | tokens per row | ms / step | top operators (self CPU share) |",
+             "|---|---|---|---|---|---|"]
     for r in report["rows"]:
         ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in r["top_ops"][:4])
-        lines.append(f"| {r['forward']} | {r['dtype']} | {r['tokens']} | {r['ms']:.1f} | {ops} |")
+        lines.append(f"| {r['forward']} | {r['dtype']} | {r['batch']} | {r['tokens']} | {r['ms']:.1f} | {ops} |")
     return "\n".join(lines)
 
 
