@@ -49,7 +49,7 @@ class FixedBudget:
     def choose(self, rows) -> list[int | None]:
         return [None] * len(rows)
 
-    def observe(self, rows, trees, paths, tokens: int, seconds: float, work_s: list[float]) -> None:
+    def observe(self, rows, trees, paths, tokens: int, seconds: float | None, work_s: list[float]) -> None:
         self.counts[max(t.size for t in trees)] += 1
 
 
@@ -202,11 +202,13 @@ class AdaptiveBudget:
         self.drafting.update(draft)
         return [width - 1 if d else 0 for d in draft]
 
-    def observe(self, rows, trees, paths, tokens: int, seconds: float, work_s: list[float]) -> None:
+    def observe(self, rows, trees, paths, tokens: int, seconds: float | None, work_s: list[float]) -> None:
         """One decoding step: its trees, each row's accepted path (node indices, root first), the
-        verifier's `tokens` (B x the step's width) and `seconds`, and each row's own work (work_s)."""
+        verifier's `tokens` (B x the step's width) and `seconds` (None: prompt chunks shared the
+        forward, so its time tells nothing of T), and each row's own work (work_s)."""
         width = tokens // max(len(rows), 1)
-        self.cost.observe(tokens, seconds, width)
+        if seconds is not None:
+            self.cost.observe(tokens, seconds, width)
         for request, tree, path, spent in zip(rows, trees, paths, work_s):
             if tree.size == 1:
                 continue  # a plain step says nothing about the drafts

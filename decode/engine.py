@@ -319,10 +319,11 @@ class Engine:
         with self.lock:
             self._admit()
         self._release()  # cancelled since the last step: gone before any work
+        chunks = self._chunks() if self.prefilling else None
         if self.decoding:
-            self._decode()
-        if self.prefilling:
-            self._prefill()
+            self._decode(chunks)  # the prompt chunks ride in the decoding rows' forward
+        elif chunks is not None:
+            self._prefill(chunks)
         self._release()
         out, self.finished = self.finished, []
         return out
@@ -356,7 +357,9 @@ class Engine:
 
     # ------------------------------------------------------------------ decoding rows
 
-    def _decode(self) -> None:
+    def _decode(self, chunks: "_Chunks | None" = None) -> None:
+        """One verification of every decoding row; `chunks` (prompt chunks of rows still reading
+        their prompt) ride in the same forward: the weights are read once for both."""
         rows = self.decoding
         t0 = time.perf_counter()
         budgets = self.budget.choose(rows)
@@ -373,9 +376,10 @@ class Engine:
         width = width_bucket(max(t.size for t in trees))
         inputs = batch_inputs(trees, [r.cache_len for r in rows], width, self.device, self.forward.cache.max_len)
         length = _slot_bucket(max(r.cache_len for r in rows) + width, self.forward.cache.max_len)
-        capture = sorted({i for r in rows for i in r.capture})
-        hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length),
-                                        len(rows), length, capture)
+        capture = sorted({i for r in rows for i in r.capture} | set(chunks.capture if chunks else ()))
+        steps = [(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), len(rows), length)]
+        outs = self.forward.many(steps + ([chunks.step] if chunks else []), capture)
+        hidden, captured = outs[0]
         real = hidden[inputs.real]  # (sum n, H)
         logits = self.forward.logits(real)  # (sum n, V)
         sync_device(self.device)
@@ -421,8 +425,13 @@ class Engine:
             request.steps[-1] = StepStats(num_nodes=tree.size, accepted=len(path) - 1,
                                           emitted=request.steps[-1].emitted, time_s=t3 - t0, propose_s=t1 - t0,
                                           verify_s=t2 - t1, accept_s=t3 - t2)
-        self.budget.observe(rows, trees, [path for path, _ in results], inputs.tokens.numel(), t2 - t1, work_s)
-        self.last_step = {"rows": len(rows), "width": width, "drafting": sum(proposed), "verify_s": t2 - t1}
+        # (a step that carried prompt chunks is no sample of the verifier's time for its trees)
+        self.budget.observe(rows, trees, [path for path, _ in results], inputs.tokens.numel(),
+                            None if chunks else t2 - t1, work_s)
+        self.last_step = {"rows": len(rows), "width": width, "drafting": sum(proposed), "verify_s": t2 - t1,
+                          "prompt_tokens": sum(len(tokens) for _, tokens in chunks) if chunks else 0}
+        if chunks:
+            self._read(chunks, *outs[1], capture)
 
     @staticmethod
     def _plain_greedy(rows, trees, logits, starts) -> dict[int, int]:
@@ -500,10 +509,10 @@ class Engine:
 
     # ------------------------------------------------------------------ prefilling rows
 
-    def _prefill(self) -> None:
-        """Each prefilling row (oldest first) reads its next chunk, prefill_chunk tokens in all;
-        rows whose prompt is complete get their first token and start decoding."""
-        budget, chunks = self.prefill_chunk, []
+    def _chunks(self) -> "_Chunks":
+        """This step's prompt chunks: each prefilling row's next tokens (oldest first),
+        prefill_chunk tokens in all, as one forward step over their cache rows."""
+        budget, chunks = self.prefill_chunk, _Chunks()
         for request in self.prefilling:
             take = min(budget, len(request.prompt) - request.fed)
             if take <= 0:
@@ -515,11 +524,20 @@ class Engine:
         rows = torch.tensor([r.row for r, _ in chunks], device=self.device)
         inputs = batch_inputs(trees, [r.fed for r, _ in chunks], width, self.device, self.forward.cache.max_len)
         length = _slot_bucket(max(r.fed for r, _ in chunks) + width, self.forward.cache.max_len)
-        capture = sorted({i for r, _ in chunks for i in r.capture})
-        hidden, captured = self.forward(inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), rows,
-                                        length, capture)
+        chunks.step = (inputs.tokens, inputs.positions, inputs.slots, inputs.allowed(length), rows, length)
+        chunks.capture = sorted({i for r, _ in chunks for i in r.capture})
+        return chunks
+
+    def _prefill(self, chunks: "_Chunks") -> None:
+        """The prompt chunks alone (no row is decoding)."""
+        (hidden, captured), = self.forward.many([chunks.step], chunks.capture)
+        self._read(chunks, hidden, captured, chunks.capture)
+
+    def _read(self, chunks: "_Chunks", hidden, captured, capture: list[int]) -> None:
+        """The chunks are in the cache (their hidden states, and the `capture` layers'): the rows whose
+        prompt is complete get their first token and start decoding."""
         layer_of = {layer: j for j, layer in enumerate(capture)}
-        for b, ((request, tokens), tree) in enumerate(zip(chunks, trees)):
+        for b, (request, tokens) in enumerate(chunks):
             n = len(tokens)
             request.fed += n
             request.cache_len = request.fed
@@ -565,6 +583,13 @@ class Engine:
                 other.row = request.row
             request.row = target
         self.decoding.append(request)
+
+
+class _Chunks(list):
+    """A step's prompt chunks, [(request, tokens)], with their forward step and captured layers."""
+
+    step: tuple = ()
+    capture: list = []
 
 
 class _Batched(dict):

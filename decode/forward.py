@@ -194,55 +194,82 @@ class FastLlama:
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, slots, allowed, rows, length: int, capture=()):
+        return self.many([(tokens, positions, slots, allowed, rows, length)], capture)[0]
+
+    @torch.inference_mode()
+    def many(self, steps: list[tuple], capture=()) -> list[tuple]:
+        """Several steps in ONE forward (the decoding rows' trees and the prompt chunks of rows still
+        reading their prompt): each a (tokens (B, N), positions, slots, allowed (B, N, S), rows,
+        length) over its own cache rows, in its own shape. Every linear layer reads its weights once
+        for all their tokens; attention runs per step. -> [(hidden (B, N, H), captured or None)] per
+        step. Compiled: the steps one after another, each a compiled step."""
         keep = tuple(i in capture for i in range(self.num_layers))  # bools: never made symbolic by dynamo
         if self.backend is None:
-            return self.forward(tokens, positions, slots, allowed, rows, length, keep)
+            return self.forward(steps, keep)
         if keep not in self.graphs:
             def step(tokens, positions, slots, allowed, rows, length):
-                return self.forward(tokens, positions, slots, allowed, rows, length, keep)
+                return self.forward([(tokens, positions, slots, allowed, rows, length)], keep)[0]
             self.graphs[keep] = compiled(step, self.backend, self.cache.keys.device)
-        return self.graphs[keep](tokens, positions, slots, allowed, rows, length)
+        return [self.graphs[keep](*step) for step in steps]
 
-    def forward(self, tokens, positions, slots, allowed, rows, length: int, keep: tuple[bool, ...]):
-        """The step itself: static shapes per (B, N, S) bucket, no host syncs (compilable whole);
+    def forward(self, steps: list[tuple], keep: tuple[bool, ...]) -> list[tuple]:
+        """The forward itself: static shapes per (B, N, S) bucket, no host syncs (compilable whole);
         keep[i]: return layer i's output."""
-        B, N = tokens.shape
-        Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        h = self.embed(tokens)  # (B, N, H)
-        cos, sin = self.rope(positions, h.dtype)  # (B, 1, N, D)
         exact = self.invariant is not None
-        # (B, 1, N, S): bool (True = attend) for the exact attention, else an additive mask (0 or -inf)
-        # in the model's dtype (the fused attention misreads one of another dtype), made once here
-        # rather than converted in every layer
-        mask = allowed[:, None] if exact else torch.zeros(
-            allowed.shape, dtype=h.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
-        if not exact and N > 1 and Hq > Hkv:
-            mask = mask.repeat(1, 1, Hq // Hkv, 1)  # (B, 1, G*N, S): the attention's stacked query heads
+        shapes, embedded = [], []
+        for tokens, positions, slots, allowed, rows, length in steps:
+            B, N = tokens.shape
+            e = self.embed(tokens)  # (B, N, H)
+            cos, sin = self.rope(positions, e.dtype)  # (B, 1, N, D)
+            # (B, 1, N, S): bool (True = attend) for the exact attention, else an additive mask (0 or
+            # -inf) in the model's dtype (the fused attention misreads one of another dtype), made once
+            # here rather than converted in every layer
+            mask = allowed[:, None] if exact else torch.zeros(
+                allowed.shape, dtype=e.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
+            if not exact and N > 1 and self.heads > self.kv_heads:
+                mask = mask.repeat(1, 1, self.heads // self.kv_heads, 1)  # (B, 1, G*N, S): stacked query heads
+            shapes.append((B, N, rows, slots, length, cos, sin, mask))
+            embedded.append(e.view(B * N, -1))
+        h = embedded[0] if len(steps) == 1 else torch.cat(embedded)  # (T, H): every step's tokens
+        sizes = [B * N for B, N, *_ in shapes]
         captured = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm)
-            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x, joined=True)  # (B, N, (Hq + 2 Hkv) D)
-            qk = qkv[..., : (Hq + Hkv) * D].view(B, N, Hq + Hkv, D).transpose(1, 2)  # (B, Hq + Hkv, N, D)
-            swapped = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # halves swapped
-            qk = qk * cos + swapped * sin  # the rotary embedding of q's and k's heads at once
-            q, k = qk[:, :Hq], qk[:, Hq:]  # (B, Hq, N, D), (B, Hkv, N, D)
-            v = qkv[..., (Hq + Hkv) * D:].view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
-            self.cache.write(i, k, v, rows, slots)
-            keys, values = self.cache.read(i, rows, length)  # (B, Hkv, S, D)
-            o = attention(q, keys, values, mask, self.scale, exact=exact)  # (B, N, Hq * D)
-            h = h + self.linear(attn.o_proj, o)
+            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x, joined=True)  # (T, (Hq + 2 Hkv) D)
+            parts = [qkv] if len(steps) == 1 else qkv.split(sizes)
+            o = [self.attend(i, part, *shape, exact) for part, shape in zip(parts, shapes)]  # (B * N, Hq * D) each
+            h = h + self.linear(attn.o_proj, o[0] if len(o) == 1 else torch.cat(o))
             x = rms_norm(h, layer.post_attention_layernorm)
             mlp = layer.mlp
             gate, up = self.linears((mlp.gate_proj, mlp.up_proj), x)
             h = h + self.linear(mlp.down_proj, F.silu(gate) * up)
             if keep[i] and i < self.num_layers - 1:
                 captured.append(h)
-        hidden = rms_norm(h, self.norm)
+        hidden = rms_norm(h, self.norm)  # (T, H)
         if keep[-1]:  # HF's hidden_states[-1] is the normed output, as trained on
             captured.append(hidden)
-        return hidden, (torch.cat(captured, dim=-1) if captured else None)
+        layers = torch.cat(captured, dim=-1) if captured else None  # (T, L * H)
+        out, start = [], 0
+        for B, N, *_ in shapes:
+            out.append((hidden[start:start + B * N].view(B, N, -1),
+                        None if layers is None else layers[start:start + B * N].view(B, N, -1)))
+            start += B * N
+        return out
 
+    def attend(self, layer: int, qkv, B: int, N: int, rows, slots, length: int, cos, sin, mask, exact: bool):
+        """One step's attention in `layer`: its tokens' q, k, v (B * N, (Hq + 2 Hkv) D), rotated,
+        k and v written to its cache rows -> (B * N, Hq * D)."""
+        Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        qkv = qkv.view(B, N, -1)
+        qk = qkv[..., : (Hq + Hkv) * D].view(B, N, Hq + Hkv, D).transpose(1, 2)  # (B, Hq + Hkv, N, D)
+        swapped = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # halves swapped
+        qk = qk * cos + swapped * sin  # the rotary embedding of q's and k's heads at once
+        q, k = qk[:, :Hq], qk[:, Hq:]  # (B, Hq, N, D), (B, Hkv, N, D)
+        v = qkv[..., (Hq + Hkv) * D:].view(B, N, Hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
+        self.cache.write(layer, k, v, rows, slots)
+        keys, values = self.cache.read(layer, rows, length)  # (B, Hkv, S, D)
+        return attention(q, keys, values, mask, self.scale, exact=exact).view(B * N, Hq * D)
 
     def linears(self, modules: tuple, x: torch.Tensor, joined: bool = False):
         """[module(x) for module in modules] (linear layers reading the same x); joined: their
@@ -394,6 +421,10 @@ class HFForward:
                            use_cache=True, output_hidden_states=bool(capture))
         captured = torch.cat([out.hidden_states[i + 1] for i in capture], dim=-1) if capture else None
         return out.last_hidden_state, captured
+
+    def many(self, steps: list[tuple], capture=()) -> list[tuple]:
+        """Several steps (FastLlama.many's contract), one forward each."""
+        return [self(*step, capture) for step in steps]
 
 
 FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward

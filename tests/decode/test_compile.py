@@ -64,7 +64,9 @@ def test_recompilations_stay_bounded_while_rows_join_and_leave(batch_setup, monk
         ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
     steps = sum(len(r.steps) for r in requests)
-    assert 1 <= forwards.compiled.graphs <= 6, (forwards.compiled.graphs, steps)
+    # a handful, not one per step: one query or several (the attention's two paths) x the capture
+    # sets x the shapes dynamo specialises (sizes 1)
+    assert 1 <= forwards.compiled.graphs <= 8, (forwards.compiled.graphs, steps)
 
 
 def test_compile_is_an_explicit_key():

@@ -166,13 +166,13 @@ def test_engine_asks_for_layers_only_when_needed(greedy_setup, monkeypatch, forw
     model, drafters = greedy_setup
     impl = {"fast": forwards.FastLlama, "hf": forwards.HFForward}[forward]
     seen = []
-    original = impl.__call__
+    original = impl.many  # (the engine's every verifier forward: its steps and the layers captured)
 
-    def spy(self, *args, **kwargs):
-        seen.append(tuple(args[6] if len(args) > 6 else kwargs.get("capture", ())))
-        return original(self, *args, **kwargs)
+    def spy(self, steps, capture=()):
+        seen.append(tuple(capture))
+        return original(self, steps, capture)
 
-    monkeypatch.setattr(impl, "__call__", spy)
+    monkeypatch.setattr(impl, "many", spy)
     generate(model, prompt(9, 12), proposer=proposer_for(model, drafters["eagle1"], "chain"), max_new_tokens=8,
              forward=forward)
     assert seen and not any(seen)

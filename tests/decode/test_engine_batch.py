@@ -21,10 +21,22 @@ from tests.decode.rows import SCHEDULE, row_prompt, run_schedule
 from tests.laws import pit_values, reference
 
 
-def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(batch_setup):
+def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(batch_setup, monkeypatch):
     model, factories = batch_setup
+    forwards_run = []  # per forward: its steps' (rows, tokens per row)
+    many = forwards.FastLlama.many
+
+    def recorded(self, steps, capture=()):
+        forwards_run.append([tuple(step[0].shape) for step in steps])
+        return many(self, steps, capture)
+
+    monkeypatch.setattr(forwards.FastLlama, "many", recorded)
     requests, widest = run_schedule(model, factories, SCHEDULE)
     assert widest == 3  # rows really decoded side by side (and the 5 later ones joined as others left)
+    # prompts were read in chunks in the decoding rows' own forward (one forward a step, a second
+    # step in it for the chunks), and only there
+    assert sum(len(steps) == 2 for steps in forwards_run) >= 5, forwards_run
+    assert all(len(steps) <= 2 for steps in forwards_run)
     for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
         ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
