@@ -129,6 +129,7 @@ class Metrics:
         self.gauges = {"batch_rows": 0, "batch_width": 0, "batch_drafting_rows": 0, "waiting_requests": 0}
         self.widths: dict[int, int] = {}  # step width -> decoding steps (the budget policy's choices)
         self.counts["engine_steps_total"] = 0
+        self.counts["prompt_tokens_beside_decoding_total"] = 0  # prompt chunks read in the decoding rows' forward
 
     def step(self, engine) -> None:
         """After an engine step: the batch it ran (rows, width, rows that drafted) and what waits."""
@@ -137,6 +138,7 @@ class Metrics:
             self.gauges["waiting_requests"] = len(engine.waiting)
             if last:
                 self.counts["engine_steps_total"] += 1
+                self.counts["prompt_tokens_beside_decoding_total"] += last["prompt_tokens"]
                 self.gauges.update(batch_rows=last["rows"], batch_width=last["width"],
                                    batch_drafting_rows=last["drafting"])
                 self.widths[last["width"]] = self.widths.get(last["width"], 0) + 1

@@ -470,6 +470,7 @@ def test_concurrent_requests_share_steps_and_each_is_its_own_greedy_reply(tiny_m
         after = httpx.get(f"{s.url}/metrics").text
         values = {line.split()[0]: float(line.split()[1]) for line in after.splitlines() if line and line[0] != "#"}
         assert max(widest) > 1 and max(widest) <= 4  # rows decoded together, never more than max_num_seqs
+        assert values["draftsmith:prompt_tokens_beside_decoding_total"] > 0  # prompts read in decoding rows' forwards
         assert values["draftsmith:engine_steps_total"] - steps0 < 6 * 24  # steps were shared
         assert any(k.startswith("draftsmith:engine_steps_by_width_total") for k in values)
     finally:
