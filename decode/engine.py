@@ -588,8 +588,10 @@ class Engine:
 class _Chunks(list):
     """A step's prompt chunks, [(request, tokens)], with their forward step and captured layers."""
 
-    step: tuple = ()
-    capture: list = []
+    def __init__(self):
+        super().__init__()
+        self.step: tuple = ()  # (tokens, positions, slots, allowed, rows, length): FastLlama.many's step
+        self.capture: list[int] = []  # the layers the chunks' rows capture
 
 
 class _Batched(dict):
