@@ -9,7 +9,9 @@
 
         E_b(w)  tokens row b emits when it verifies the first w nodes of its tree: 1 + the drafted
                 tokens such a cut accepted over the row's own drafting steps (each step tells every
-                narrower cut: RowStats), shrunk towards a chain's prior of `prior` per depth;
+                narrower cut: RowStats), shrunk towards a chain's prior of `prior` per depth; the
+                history counts half for every `half_life` plain steps since the row last drafted, so
+                a row kept plain probes its drafts again after a while;
         T(n)    the verifier forward's time for n tokens in the step on this machine: measured at
                 start on one row for n = 1, 2, 4, ... (StepCost.calibrate), times a correction per
                 step shape (W, B) learned from the steps themselves (B rows W wide are not one row
@@ -65,12 +67,14 @@ class RowStats:
     accepted: dict[int, float] = field(default_factory=dict)  # width -> drafted tokens a cut to it accepted, summed
     steps: dict[int, float] = field(default_factory=dict)  # width -> steps that tell (the tree had >= width nodes)
     work_s: float | None = None  # running mean of its own work on a drafting step (propose, accept, update)
+    idle: int = 0  # plain steps since it last drafted (its history ages: see expected)
     memo: dict = field(default_factory=dict, repr=False)  # width -> expected(width), until the next record
 
     def record(self, path: list[int], size: int, cut: bool, widths) -> None:
         """A drafting step: its accepted `path` (node indices, root first) in a tree of `size` nodes,
         `cut` when the budget may have cut it (then wider steps are not told)."""
         self.memo.clear()
+        self.idle = 0
         for width in widths:
             if width > size and cut:
                 break
@@ -82,16 +86,26 @@ class RowStats:
             self.accepted[width] = self.accepted.get(width, 0.0) + ahead
             self.steps[width] = self.steps.get(width, 0.0) + 1
 
-    def expected(self, width: int, prior: float, weight: float) -> float:
+    def kept_plain(self) -> None:
+        """A step it did not draft in: its history is one step older."""
+        self.memo.clear()
+        self.idle += 1
+
+    def expected(self, width: int, prior: float, weight: float, half_life: float = math.inf) -> float:
         """E[tokens emitted] verifying the first `width` nodes of its tree (1 = the root alone): its
         own history at that width shrunk towards a chain's prior (sum of prior^d over the w - 1
-        depths), and never below what a narrower width expects."""
-        if (width, prior, weight) not in self.memo:
+        depths), and never below what a narrower width expects. The history counts half as much
+        against the prior for every `half_life` plain steps since the row last drafted: a row kept
+        plain learns nothing new of its drafts, so after a while it probes them again (the text, and
+        what prompt lookup finds in it, changes as it grows)."""
+        key = (width, prior, weight, half_life)
+        if key not in self.memo:
+            keep = 0.5 ** (self.idle / half_life)
             guess = sum(prior ** d for d in range(1, width))
-            mean = (self.accepted.get(width, 0.0) + weight * guess) / (self.steps.get(width, 0.0) + weight)
+            mean = (keep * self.accepted.get(width, 0.0) + weight * guess) / (keep * self.steps.get(width, 0.0) + weight)
             narrower = [self.accepted[w] / self.steps[w] for w in self.steps if w < width]
-            self.memo[width, prior, weight] = 1.0 + max([mean, *narrower])
-        return self.memo[width, prior, weight]
+            self.memo[key] = 1.0 + max([mean, *narrower])
+        return self.memo[key]
 
 
 class StepCost:
@@ -164,9 +178,10 @@ class AdaptiveBudget:
     name = "adaptive"
 
     def __init__(self, cost: StepCost | None = None, widths=(1, 2, 4, 8, 16, 32), prior: float = 0.5,
-                 prior_weight: float = 2.0):
+                 prior_weight: float = 2.0, half_life: float = 32.0):
         self.cost = cost or StepCost()
         self.widths, self.prior, self.weight = tuple(widths), float(prior), float(prior_weight)
+        self.half_life = float(half_life)  # plain steps after which a row's history counts half (RowStats.expected)
         self.stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts: Counter = Counter()  # chosen width -> steps
         self.drafting: Counter = Counter()  # rows that drafted / did not, over all steps
@@ -183,7 +198,7 @@ class AdaptiveBudget:
         stats = [self._row(r) for r in rows]
         best = (sum(1.0 for _ in rows) / self.cost(B), 1, [False] * B)  # plain decoding
         for width in self.widths[1:]:
-            gains = [(s.expected(width, self.prior, self.weight) - 1.0, s.work_s or 0.0) for s in stats]
+            gains = [(s.expected(width, self.prior, self.weight, self.half_life) - 1.0, s.work_s or 0.0) for s in stats]
             order = sorted(range(B), key=lambda b: -gains[b][0] / (gains[b][1] + 1e-6))
             draft = [False] * B
             tokens, spent = float(B), self.cost(B * width, width)
@@ -210,9 +225,10 @@ class AdaptiveBudget:
         if seconds is not None:
             self.cost.observe(tokens, seconds, width)
         for request, tree, path, spent in zip(rows, trees, paths, work_s):
-            if tree.size == 1:
-                continue  # a plain step says nothing about the drafts
             stats = self._row(request)
+            if tree.size == 1:
+                stats.kept_plain()  # a plain step says nothing about the drafts: the history ages
+                continue
             stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
             stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
 

@@ -106,6 +106,32 @@ def test_expensive_verification_means_plain_decoding():
     taught(policy, rows, accept=0.5)
     assert policy.plan(rows) == (1, [False])
     assert policy.choose(rows) == [0] and policy.counts[1] == 1
+    for _ in range(20 * int(policy.half_life)):  # however long it stays plain, the prior alone never pays here
+        policy.observe(rows, [ROOT], [[0]], 1, None, [0.0])
+    assert policy.plan(rows) == (1, [False])
+
+
+ROOT = DraftTree(tokens=torch.zeros(1, dtype=torch.long), parents=torch.tensor([-1]))  # a plain step's tree
+
+
+def test_a_row_kept_plain_probes_its_drafts_again():
+    """A row whose drafts were all rejected goes plain; a plain step tells nothing new about its
+    drafts, so its history ages and, while drafting would pay at the prior, it probes them again
+    (not at once); a probe rejected again sends it back to plain at once."""
+    policy = AdaptiveBudget(bandwidth_bound(knee=16))
+    row = Row()
+    taught(policy, [row], accept=0.0, depth=31)  # trees as wide as the widest step: every width is told
+    assert policy.plan([row]) == (1, [False])
+    plain = 0
+    while policy.plan([row])[0] == 1:
+        policy.observe([row], [ROOT], [[0]], 1, None, [0.0])  # (None: the step's time is no sample)
+        plain += 1
+        assert plain < 1000, "kept plain for good"
+    assert plain > 1 and policy.plan([row])[1] == [True]
+    width = policy.plan([row])[0]
+    chain = DraftTree(tokens=torch.zeros(32, dtype=torch.long), parents=torch.arange(-1, 31))
+    policy.observe([row], [chain], [[0]], width, None, [0.0005])  # the probe: nothing accepted
+    assert policy.plan([row]) == (1, [False])
 
 
 def test_the_policy_name_is_an_explicit_key(batch_setup):
