@@ -346,9 +346,10 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch.Tensor:
-    """Grouped-query attention: q (B, Hq, N, D), keys / values (B, Hkv, S, D), mask (B, 1, N, S)
-    bool (True = attend) or additive -> (B, N, Hq * D); an additive mask may come tiled over a
-    group's query heads already, (B, 1, G*N, S).
+    """Grouped-query attention: q (B, Hq, N, D), keys / values (B, Hkv, S, D) -> (B, N, Hq * D).
+    mask: exact, (B, 1, N, S) bool (True = attend); else additive, (B, 1, N, S) for one query and
+    (B, 1, G*N, S), tiled over a group's G query heads, for several (FastLlama.forward makes it once
+    a step).
 
     Default: torch's fused scaled_dot_product_attention (on a CPU its flash kernel: float32
     accumulators, reading the cache's strided views in place; a batched matmul would first copy
@@ -364,8 +365,6 @@ def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch
             return out.transpose(1, 2).reshape(B, N, Hq * D)  # (B, N, Hq * D)
         # several queries: a group's query heads stacked along the query axis, so each key and value
         # head is read once for all of them (about twice as fast for a tree or a prompt chunk)
-        if mask.shape[2] == N:
-            mask = mask.repeat(1, 1, group, 1)  # (B, 1, G*N, S)
         out = F.scaled_dot_product_attention(q.reshape(B, keys.shape[1], group * N, D), keys, values,
                                              attn_mask=mask, scale=scale)  # (B, Hkv, G*N, D)
         return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D)

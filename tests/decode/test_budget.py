@@ -18,6 +18,9 @@ class Row:  # a request as the policy sees it (a weakref-able key)
     pass
 
 
+ROOT = DraftTree(tokens=torch.zeros(1, dtype=torch.long), parents=torch.tensor([-1]))  # a plain step's tree
+
+
 def taught(policy: AdaptiveBudget, rows, accept: float, depth: int = 7, propose_s: float = 0.0005):
     """Give each row a history: trees of `depth` nodes in a chain, each depth accepted w.p. `accept`."""
     chain = DraftTree(tokens=torch.zeros(depth + 1, dtype=torch.long), parents=torch.arange(-1, depth))
@@ -109,9 +112,6 @@ def test_expensive_verification_means_plain_decoding():
     for _ in range(20 * int(policy.half_life)):  # however long it stays plain, the prior alone never pays here
         policy.observe(rows, [ROOT], [[0]], 1, None, [0.0])
     assert policy.plan(rows) == (1, [False])
-
-
-ROOT = DraftTree(tokens=torch.zeros(1, dtype=torch.long), parents=torch.tensor([-1]))  # a plain step's tree
 
 
 def test_a_row_kept_plain_probes_its_drafts_again():
