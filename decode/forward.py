@@ -36,6 +36,8 @@ Two implementations, chosen by `engine.forward` (FORWARDS; unknown values refuse
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
@@ -430,17 +432,33 @@ FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 WEIGHTS = {"auto": "auto", "packed": "packed", "plain": "plain"}  # engine.weights
 
 
+@functools.cache
+def cpu_prepacks(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs a linear layer on prepacked `dtype` weights: torch refuses bf16
+    without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, fp16 without AVX-512-FP16 or AVX-NE-CONVERT (an
+    AVX2-only AMD EPYC box, say). Tried once per dtype on a 16 x 16 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), weight, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     """Whether the fast forward runs its linear layers on oneDNN-prepacked weights (engine.weights):
-    packed: yes (a bf16 / fp16 verifier on the CPU); plain: the modules' own weights; auto: packed
-    exactly there, unless a shape-invariant mode runs its own linear layers or the step is compiled
-    (torch.compile cannot trace the prepacked weights). On the 2-core dev box a one-row bf16
+    packed: yes (a bf16 / fp16 verifier on a CPU whose oneDNN has the kernels: cpu_prepacks); plain:
+    the modules' own weights; auto: packed exactly there, unless a shape-invariant mode runs its own
+    linear layers or the step is compiled (torch.compile cannot trace the prepacked weights). On the
+    2-core Intel (AVX-512) dev box a one-row bf16
     SmolLM2 step took 30.4 ms instead of 39.5 (scripts/bench/profile_step.py forwards=[fast,packed]),
     the products bit for bit F.linear's up to 16 rows; the price is a second copy of the layer
     weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
-    fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+    fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16)
     if weights == "packed" and not fits:
         raise DraftsmithError(f"engine.weights=packed prepacks bf16 / fp16 weights for the CPU's oneDNN kernels; this "
                               f"verifier is {param.dtype} on {param.device.type}: use engine.weights=auto or plain")
@@ -450,6 +468,11 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     if weights == "packed" and choose(COMPILERS, compile, "engine.compile") is not None:
         raise DraftsmithError(f"engine.weights=packed cannot run under engine.compile={compile} (torch.compile cannot "
                               f"trace oneDNN's prepacked weights): set engine.compile=none or engine.weights=auto")
+    if weights == "packed" and not cpu_prepacks(param.dtype):
+        raise DraftsmithError(f"engine.weights=packed: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no "
+                              f"oneDNN prepacked {param.dtype} linear (it needs AVX-512 or AVX-NE-CONVERT): use "
+                              f"engine.weights=auto or plain")
+    fits = fits and cpu_prepacks(param.dtype)
     return weights == "packed" or (weights == "auto" and fits and invariant_mode(invariant) is None
                                    and choose(COMPILERS, compile, "engine.compile") is None)
 
@@ -460,11 +483,14 @@ def make_forward(model, kind: str, max_rows: int, max_len: int, invariant=None, 
     FastLlama's shape-invariant mode (engine.invariant: false | true | rows | float64); compile:
     none | inductor (engine.compile); weights: auto | packed | plain (engine.weights, fast only)."""
     choose(FORWARDS, kind, "engine.forward")
+    if kind == "auto":
+        kind = "hf" if fast_problem(model) else "fast"
+    if weights == "packed" and kind != "fast":
+        raise DraftsmithError(f"engine.weights=packed is the fast forward's, and engine.forward={kind} here: "
+                              f"set engine.forward=fast or engine.weights=auto")
     packed = packs(model, weights, invariant, compile)
     invariant = invariant_mode(invariant)
     backend = choose(COMPILERS, compile, "engine.compile")
-    if kind == "auto":
-        kind = "hf" if fast_problem(model) else "fast"
     if invariant and kind != "fast":
         raise DraftsmithError(f"engine.invariant={invariant} needs the fast forward (its linear layers and attention "
                               f"are shape-invariant), and engine.forward={kind} here: "
@@ -479,7 +505,4 @@ def make_forward(model, kind: str, max_rows: int, max_len: int, invariant=None, 
     if backend is not None and kind != "fast":
         raise DraftsmithError(f"engine.compile={compile} compiles the fast forward, and engine.forward={kind} here: "
                               f"set engine.compile=none or engine.forward=fast")
-    if weights == "packed" and kind != "fast":
-        raise DraftsmithError(f"engine.weights=packed is the fast forward's, and engine.forward={kind} here: "
-                              f"set engine.forward=fast or engine.weights=auto")
     return FastLlama(model, cache, invariant, backend, packed) if kind == "fast" else HFForward(model, cache)

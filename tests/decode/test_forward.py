@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.decode.engine import batch_inputs, chain_tree
-from draftsmith.decode.forward import FastLlama, HFForward, fast_problem, make_forward
+from draftsmith.decode.forward import FastLlama, HFForward, cpu_prepacks, fast_problem, make_forward
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.decode.tree import path_to
 from draftsmith.models.errors import DraftsmithError
@@ -130,6 +130,9 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
     on a oneDNN-prepacked copy of the module's weight. Its logits are HF's bf16 forward's within
     bf16 rounding, chunked prefill, tree and all, and a row's logits do not depend on how many
     rows share the forward (one row alone against three)."""
+    if not cpu_prepacks(torch.bfloat16):
+        pytest.skip(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no oneDNN prepacked bf16 linear: "
+                    f"test_packed_weights_are_refused_on_a_cpu_without_the_kernels covers it")
     model = tiny_family(preset).to(torch.bfloat16)
     fwd = make_forward(model, "fast", max_rows=3, max_len=64)  # auto: packed here
     assert fwd.packed is not None
@@ -165,3 +168,23 @@ def test_packed_weights_are_refused_where_they_cannot_run():
     with pytest.raises(DraftsmithError, match="engine.weights=packed cannot run under engine.compile=count"):
         make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count", weights="packed")
     assert make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count").packed is None  # auto: compiled
+
+
+def test_packed_weights_are_refused_on_a_cpu_without_the_kernels(monkeypatch):
+    """An AVX2-only CPU (torch refuses oneDNN's prepacked bf16 linear there): auto runs the modules'
+    own weights, packed is refused in one line naming the CPU."""
+    import draftsmith.decode.forward as forward
+
+    monkeypatch.setattr(forward, "cpu_prepacks", lambda dtype: False)
+    bf16 = tiny_family("smollm2-135m").to(torch.bfloat16)
+    assert make_forward(bf16, "fast", max_rows=1, max_len=16).packed is None
+    with pytest.raises(DraftsmithError, match=r"engine.weights=packed: this CPU \(.*\) has no oneDNN prepacked "
+                                              r"torch.bfloat16 linear.*use engine.weights=auto or plain") as e:
+        make_forward(bf16, "fast", max_rows=1, max_len=16, weights="packed")
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    if forward.cpu_prepacks(torch.bfloat16):  # the real probe agrees with what the kernel does
+        assert make_forward(bf16, "fast", max_rows=1, max_len=16).packed is not None
+    else:
+        with pytest.raises(RuntimeError):
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)

@@ -161,5 +161,8 @@ def test_tree_forward_matches_paths_alone_dynamic_cache(attn_implementation):
     assert cache.get_seq_length() == 5 + len(TREE_PARENTS)  # the whole tree was appended
 
     want = path_logits_alone(model, prefix, tokens)
-    torch.testing.assert_close(tree_logits, want, atol=1e-10, rtol=0)
+    # HF's eager attention takes its softmax in float32 even for a float64 model: a float32 sum over a
+    # row whose length differs (tree vs path) rounds differently on some CPUs (AVX2: 1.8e-8 here)
+    atol = 1e-6 if attn_implementation == "eager" else 1e-10
+    torch.testing.assert_close(tree_logits, want, atol=atol, rtol=0)
 
