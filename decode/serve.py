@@ -111,8 +111,11 @@ class Job:
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def emit(self, kind: str, payload) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+def deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """In the HTTP event loop: a turn's events of the engine loop, to their jobs' queues in order."""
+    for queue_, event in events:
+        queue_.put_nowait(event)
 
 
 class Metrics:
@@ -216,6 +219,7 @@ class Server:
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=int(cfg.max_queue))
         self.live: dict = {}  # engine request -> (job, choice index)
         self.pending: dict = {}  # job -> choices not yet finished
+        self.outbox: list[tuple[Job, str, object]] = []  # this turn's events, handed over once the step is done
         self.stopping = threading.Event()  # set: the loop ends after its current step
         if thread:
             threading.Thread(target=self.work, daemon=True, name="draftsmith-engine").start()
@@ -229,18 +233,38 @@ class Server:
         `stopping` is set or keep_going() is false."""
         while not self.stopping.is_set() and keep_going():
             try:
-                self._admit(block=not self.live)
-                self._cancel_gone()
-                finished = self.engine.step() if self.engine.busy else []
-            except Exception as e:  # noqa: BLE001 - the step itself failed: every live request hears it, the
-                self.engine.reset()  # rows are dropped and the server goes on with the next requests
-                self.live.clear()
-                for job in list(self.pending):
-                    self._fail(job, f"{type(e).__name__}: {e}")
-                continue
-            for request in finished:
-                self._finish(request)
-            self.metrics.step(self.engine)
+                self._turn()
+            finally:
+                self._post()
+
+    def _turn(self) -> None:
+        try:
+            self._admit(block=not self.live)
+            self._cancel_gone()
+            finished = self.engine.step() if self.engine.busy else []
+        except Exception as e:  # noqa: BLE001 - the step itself failed: every live request hears it, the
+            self.engine.reset()  # rows are dropped and the server goes on with the next requests
+            self.live.clear()
+            for job in list(self.pending):
+                self._fail(job, f"{type(e).__name__}: {e}")
+            return
+        for request in finished:
+            self._finish(request)
+        self.metrics.step(self.engine)
+
+    def _emit(self, job: Job, kind: str, payload) -> None:
+        self.outbox.append((job, kind, payload))
+
+    def _post(self) -> None:
+        """Hand the turn's events to the HTTP event loop(s): one wake-up per loop and step, not one per
+        row (16 rows: 16 cross-thread wake-ups a step, each taking the GIL from the engine thread)."""
+        by_loop: dict = {}
+        for job, kind, payload in self.outbox:
+            by_loop.setdefault(job.loop, []).append((job.events, (kind, payload)))
+        self.outbox = []
+        for loop, events in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a loop already closed (its app is gone): nobody listens
+                loop.call_soon_threadsafe(deliver, events)
 
     def _admit(self, block: bool) -> None:
         """Take queued jobs while rows are free (waiting for one when nothing decodes)."""
@@ -264,7 +288,7 @@ class Server:
         generator = torch.Generator(device=self.model.device).manual_seed(job.seed + index)
 
         def on_tokens(tokens: list[int]) -> bool:
-            job.emit("tokens", (index, tokens))
+            self._emit(job, "tokens", (index, tokens))
             return not job.cancelled.is_set() and time.monotonic() <= job.deadline
 
         proposer = self.proposer.fork() if self.proposer is not None else None
@@ -292,11 +316,11 @@ class Server:
         if request.stop.reason == "cancelled":
             self._cancelled(job)
             return
-        job.emit("finished", (index, request.stop.reason, len(request.prompt)))
+        self._emit(job, "finished", (index, request.stop.reason, len(request.prompt)))
         self.pending[job] -= 1
         if not self.pending[job]:
             del self.pending[job]
-            job.emit("done", None)
+            self._emit(job, "done", None)
 
     def _drop(self, job: "Job") -> None:
         self.pending.pop(job, None)
@@ -307,12 +331,12 @@ class Server:
     def _cancelled(self, job: "Job") -> None:
         self._drop(job)
         self.metrics.add(requests_cancelled_total=1)
-        job.emit("cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
+        self._emit(job, "cancelled", "timeout" if time.monotonic() > job.deadline else "client gone")
 
     def _fail(self, job: "Job", message: str) -> None:
         self._drop(job)
         self.metrics.add(request_errors_total=1)
-        job.emit("error", message)
+        self._emit(job, "error", message)
 
 
 IDLE_POLL_S = 0.5  # an idle engine loop looks at `stopping` this often
@@ -381,42 +405,56 @@ def check_memory(model, rows: int, max_len: int, device: torch.device) -> None:
 
 class TextStream:
     """Incremental text of a growing token list: never cut inside a multi-byte character, and
-    never past text that could still turn out to be (the start of) a stop string."""
+    never past text that could still turn out to be (the start of) a stop string. Each push decodes
+    only the new tokens, beside the previous push's as context (a tokenizer may write a token
+    differently at the start of a text): a push costs the same at token 4,000 as at token 4."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.tokens: list[int] = []
+        self.text = ""  # the text of tokens[:read]
+        self.context = self.read = 0  # tokens[context:read] are decoded again beside the new ones
         self.sent = 0  # characters already sent
+        self.longest_stop = max(map(len, stop), default=0)
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+    def _decode(self, final: bool) -> None:
+        """Extend `text` with the tokens past `read`, unless they end inside a character (and more may come)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.tokens[self.context:self.read])
+        after = decode(self.tokens[self.context:])
+        if after.startswith(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.context, self.read = self.read, len(self.tokens)
+        elif not after.startswith(before):  # the tokenizer rewrote the context: decode the whole text again
+            text = decode(self.tokens)
+            if final or not text.endswith("\ufffd"):
+                self.text, self.context, self.read = text, len(self.tokens), len(self.tokens)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens += tokens
-        text = self._text()
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
-            end -= 1
+        self._decode(final=False)
+        text, end = self.text, len(self.text)
         for s in self.stop:  # hold back a suffix that is a prefix of a stop string
             for k in range(min(len(s), end - self.sent), 0, -1):
                 if s.startswith(text[end - k:end]):
                     end -= k
                     break
-        cut = first_stop(text, self.stop)
+        cut = first_stop(text, self.stop, start=max(0, self.sent - self.longest_stop))
         end = min(end, cut) if cut is not None else end
         piece, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
         return piece
 
     def finish(self) -> str:
-        text = self._text()
-        cut = first_stop(text, self.stop)
-        text = text if cut is None else text[:cut]
-        piece, self.sent = text[self.sent:], len(text)
+        self._decode(final=True)
+        cut = first_stop(self.text, self.stop, start=max(0, self.sent - self.longest_stop))
+        text = self.text if cut is None else self.text[:cut]
+        piece, self.sent = text[self.sent:], max(len(text), self.sent)
         return piece
 
 
-def first_stop(text: str, stop: list[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
+def first_stop(text: str, stop: list[str], start: int = 0) -> int | None:
+    """Where the first stop string in text[start:] begins (an index into text), or None."""
+    hits = [i for i in (text.find(s, start) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
 
 

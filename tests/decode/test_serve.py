@@ -142,6 +142,55 @@ def test_text_stream_never_cuts_a_character_or_leaks_a_stop_string():
     assert not any("S" in p for p in pieces)  # "STOP" was held back, never sent
 
 
+
+def trained_tokenizer(kind: str):
+    """A small trained tokenizer: byte-level BPE (SmolLM2's and GPT-2's kind: one character may span
+    tokens) or Metaspace (Llama-2's SentencePiece kind: a text's first space is dropped)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["naïve café — déjà vu, 東京 and 🙂 emoji; the cat sat on the mat. " * 3, "ok STOP tail, über straße"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if kind == "metaspace" else None))
+    if kind == "byte-level":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"])
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok), corpus
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_text_stream_pieces_join_to_the_whole_decode_and_each_push_decodes_a_few_tokens(kind):
+    """Streamed in pushes of 1-3 tokens, the pieces join to decode(all tokens), stop strings held
+    back and cut as the whole text would cut them; and while the text is well-formed, no push
+    decodes more than a few tokens: its own, the last decoded ones, a character's split bytes (never
+    the whole text per token; random tokens may hold invalid bytes, which wait for more)."""
+    tokenizer, corpus = trained_tokenizer(kind)
+    lengths = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda ids, **kw: (lengths.append(len(ids)), decode(ids, **kw))[1]
+    g = torch.Generator().manual_seed(0)
+    text_ids = tokenizer(" ".join(corpus) * 4)["input_ids"]
+    ids = text_ids + torch.randint(0, len(tokenizer), (200,), generator=g).tolist()  # odd bytes and all
+    whole = decode(ids, skip_special_tokens=True)
+    for stop in ([], ["STOP"], ["straße", "🙂"]):
+        stream, pieces, at = TextStream(tokenizer, stop), [], 0
+        lengths.clear()
+        while at < len(ids):
+            if at >= len(text_ids) and lengths:
+                assert len(text_ids) > 150 and max(lengths) <= 24, max(lengths)  # a text of 200-400 tokens
+                lengths.clear()
+            n = 1 + int(torch.randint(0, 3, (), generator=g))
+            pieces.append(stream.push(ids[at:at + n]))
+            at += n
+        pieces.append(stream.finish())
+        cuts = [whole.find(s) for s in stop if s in whole]
+        assert "".join(pieces) == (whole[:min(cuts)] if cuts else whole)
+
+
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "messages": [', None),
     ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, "model"),
