@@ -36,14 +36,13 @@ Two implementations, chosen by `engine.forward` (FORWARDS; unknown values refuse
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from draftsmith.decode.tree import additive_mask
 from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.verifier import cpu_prepacks
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -430,21 +429,6 @@ class HFForward:
 
 FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 WEIGHTS = {"auto": "auto", "packed": "packed", "plain": "plain"}  # engine.weights
-
-
-@functools.cache
-def cpu_prepacks(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN runs a linear layer on prepacked `dtype` weights: torch refuses bf16
-    without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, fp16 without AVX-512-FP16 or AVX-NE-CONVERT (an
-    AVX2-only AMD EPYC box, say). Tried once per dtype on a 16 x 16 weight."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), weight, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return True
 
 
 def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:

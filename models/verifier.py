@@ -8,6 +8,7 @@ and saves an HF safetensors folder in the cache dir, later loads read that folde
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -356,6 +357,32 @@ def apply_chat_template_setting(tokenizer, model_cfg) -> None:
                               f"set model.chat_template to one of {sorted(CHAT_TEMPLATES)}")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+
+@functools.cache
+def cpu_prepacks(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs a linear layer on prepacked `dtype` weights: torch refuses bf16
+    without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, fp16 without AVX-512-FP16 or AVX-NE-CONVERT (an
+    AVX2-only AMD EPYC box, say). Tried once per dtype on a 16 x 16 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), weight, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def fast_dtype(device: torch.device | None = None) -> str:
+    """The dtype a verifier decodes and trains fastest in on `device` (default: device=auto's):
+    bfloat16 on a GPU that has it and on a CPU whose oneDNN has bf16 kernels (AVX-512, AMX); float32
+    elsewhere: an AVX2-only CPU emulates bf16 (a 16 x 576 x 1536 product 4x fp32's time on an AMD
+    EPYC). `python -c "from draftsmith.models.verifier import fast_dtype; print(fast_dtype())"`."""
+    device = resolve_device("auto") if device is None else device
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_prepacks(torch.bfloat16) else "float32"
 
 
 def resolve_device(spec) -> torch.device:

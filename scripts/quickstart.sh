@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores):
 #   1. convert the packaged GGUF verifier once (cached under ~/.cache/draftsmith),
-#   2. self-distill: the verifier answers chit-chat prompts itself (continuous batching, bf16,
-#      greedy; resumable),
+#   2. self-distill: the verifier answers chit-chat prompts itself (continuous batching, greedy;
+#      resumable),
 #   3. train 4 Medusa-1 heads on those answers plus 400 ShareGPT conversations as fixed text
 #      (data=selfdistill-mix), on the verifier's own tokens (method.targets=verifier), over an
 #      8,192-token draft vocabulary; per-head held-out accuracy is printed,
@@ -13,9 +13,10 @@
 #      continuations of the context's longest suffix in the datastore, verified in one forward,
 #      lossless); print the table.
 # CPU-sized choices (see README "Results", the learning curves): the reduced draft vocabulary
-# makes each head's projection 6x cheaper to train and to decode with, the frozen verifier runs
-# in bf16 while training (its fingerprint does not depend on dtype); the evaluation runs the
-# verifier in bf16 with the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify).
+# makes each head's projection 6x cheaper to train and to decode with; the verifier runs in
+# DTYPE everywhere (default: bf16 where the CPU computes it natively, AVX-512 / AMX, else fp32:
+# models.verifier.fast_dtype; the fingerprint does not depend on dtype); the evaluation verifies
+# the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify).
 # Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail
@@ -23,12 +24,15 @@ cd "$(dirname "$0")/.."
 NUM_PROMPTS="${NUM_PROMPTS:-200}"
 STEPS="${STEPS:-100}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
+DTYPE="${DTYPE:-$(python -c 'from draftsmith.models.verifier import fast_dtype; print(fast_dtype())')}"
+PRECISION="$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)"  # the heads' mixed precision, as the verifier's
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
-python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128
+python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128 model.dtype="$DTYPE"
 python train/medusa.py data=selfdistill-mix method.targets=verifier method.draft_vocab_size=8192 \
-    trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 model.dtype=bfloat16 "$@"
+    trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 model.dtype="$DTYPE" \
+    trainer.precision="$PRECISION" "$@"
 python scripts/build_datastore.py data=sharegpt-pypi
-python decode/evaluate.py model.dtype=bfloat16 decode=medusa-cpu decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
+python decode/evaluate.py model.dtype="$DTYPE" decode=medusa-cpu decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
     decode.datastore=outputs/datastore/sharegpt-pypi-smollm2-135m decode.datastore_tokens=4 \
     data=mtbench data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64

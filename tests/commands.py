@@ -124,9 +124,11 @@ def _experiment_steps(args: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 
 
 def recorded_python_calls(script: str, args: list[str], env: dict) -> list[list[str]]:
-    """Run a shell script with `python` recording its arguments instead of running."""
+    """Run a shell script with `python` recording its arguments instead of running (`python -c`, a
+    snippet whose output the script reads, such as its dtype, runs)."""
     assert (ROOT / script).is_file(), script
-    recorder = 'python() { printf "%s\\037" "$@" >> "$DRAFTSMITH_RECORD"; printf "\\036" >> "$DRAFTSMITH_RECORD"; }'
+    recorder = ('python() { if [ "$1" = -c ]; then command python "$@"; return; fi; '
+                'printf "%s\\037" "$@" >> "$DRAFTSMITH_RECORD"; printf "\\036" >> "$DRAFTSMITH_RECORD"; }')
     record = ROOT / ".pytest_cache" / f"record-{os.getpid()}"
     record.parent.mkdir(exist_ok=True)
     record.write_text("")

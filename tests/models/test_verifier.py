@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from draftsmith.models.errors import DraftsmithError
-from draftsmith.models.verifier import fingerprint, load_verifier, resolve_device
+from draftsmith.models.verifier import cpu_prepacks, fast_dtype, fingerprint, load_verifier, resolve_device
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +103,30 @@ def test_resolve_device_picks_cuda_only_when_torch_sees_it(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(DraftsmithError, match=r"^device=cuda:2: torch sees 2 CUDA device\(s\), cuda:0..cuda:1"):
         resolve_device("cuda:2")
+
+
+def test_fast_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch):
+    """The quickstart's dtype: bf16 on a CPU with oneDNN's bf16 kernels (whose probe agrees with
+    the kernel itself) and on a bf16 GPU, fp32 on an AVX2-only CPU, fp16 on an older GPU."""
+    import draftsmith.models.verifier as verifier
+
+    cpu = torch.device("cpu")
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        native = True
+    except RuntimeError:
+        native = False
+    if torch.backends.mkldnn.is_available():
+        assert cpu_prepacks(torch.bfloat16) == native
+    assert fast_dtype(cpu) == ("bfloat16" if cpu_prepacks(torch.bfloat16) else "float32")
+    monkeypatch.setattr(verifier, "cpu_prepacks", lambda dtype: False)
+    assert fast_dtype(cpu) == "float32"
+    monkeypatch.setattr(verifier, "cpu_prepacks", lambda dtype: True)
+    assert fast_dtype(cpu) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert fast_dtype(torch.device("cuda", 0)) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert fast_dtype(torch.device("cuda", 0)) == "bfloat16"
 
 
 @pytest.mark.parametrize("script", ["decode/evaluate.py", "decode/serve.py", "scripts/bench/tune_decode.py",
