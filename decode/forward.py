@@ -436,10 +436,9 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     packed: yes (a bf16 / fp16 verifier on a CPU whose oneDNN has the kernels: cpu_prepacks); plain:
     the modules' own weights; auto: packed exactly there, unless a shape-invariant mode runs its own
     linear layers or the step is compiled (torch.compile cannot trace the prepacked weights). On the
-    2-core Intel (AVX-512) dev box a one-row bf16
-    SmolLM2 step took 30.4 ms instead of 39.5 (scripts/bench/profile_step.py forwards=[fast,packed]),
-    the products bit for bit F.linear's up to 16 rows; the price is a second copy of the layer
-    weights in memory."""
+    2-core Intel (AVX-512) dev box a one-row bf16 SmolLM2 step took 30.4 ms instead of 39.5
+    (scripts/bench/profile_step.py forwards=[fast,packed]), the products bit for bit F.linear's up
+    to 16 rows; the price is a second copy of the layer weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
     fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16)

@@ -428,7 +428,7 @@ class TextStream:
         elif not after.startswith(before):  # the tokenizer rewrote the context: decode the whole text again
             text = decode(self.tokens)
             if final or not text.endswith("\ufffd"):
-                self.text, self.context, self.read = text, len(self.tokens), len(self.tokens)
+                self.text, self.context, self.read = text, self.read, len(self.tokens)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens += tokens

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores):
+# The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores with
+# AVX-512 / AMX, about 24 on an AVX2-only CPU):
 #   1. convert the packaged GGUF verifier once (cached under ~/.cache/draftsmith),
 #   2. self-distill: the verifier answers chit-chat prompts itself (continuous batching, greedy;
 #      resumable),
@@ -16,7 +17,8 @@
 # makes each head's projection 6x cheaper to train and to decode with; the verifier runs in
 # DTYPE everywhere (default: bf16 where the CPU computes it natively, AVX-512 / AMX, else fp32:
 # models.verifier.fast_dtype; the fingerprint does not depend on dtype); the evaluation verifies
-# the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify).
+# the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify with AVX-512 / AMX,
+# ~1.9 on an AVX2-only CPU, where it loses: docs/results/main-job.md).
 # Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail
@@ -25,7 +27,7 @@ NUM_PROMPTS="${NUM_PROMPTS:-200}"
 STEPS="${STEPS:-100}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
 DTYPE="${DTYPE:-$(python -c 'from draftsmith.models.verifier import fast_dtype; print(fast_dtype())')}"
-PRECISION="$([ "$DTYPE" = float32 ] && echo fp32 || echo bf16)"  # the heads' mixed precision, as the verifier's
+PRECISION="$(case "$DTYPE" in float32) echo fp32;; float16) echo fp16;; *) echo bf16;; esac)"  # the heads', as the verifier
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
 python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128 model.dtype="$DTYPE"
