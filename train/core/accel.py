@@ -19,7 +19,6 @@ import copy
 import logging
 import math
 import os
-import warnings
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -78,14 +77,14 @@ def check_engine(acc: Accelerator) -> None:
                               f"{acc.distributed_type.value} without it; {fix}")
 
 
-def check_cpu_precision(precision: str, device: torch.device) -> None:
-    """Warn (once, one line) when bf16 / fp16 training runs on a CPU that emulates them: an
-    AVX2-only CPU has no oneDNN bf16 kernels (a quickstart Medusa step took 164 s in bf16, 10 s in fp32)."""
+def emulated_precision(precision: str, device: torch.device) -> str | None:
+    """A one-line warning when bf16 / fp16 training runs on a CPU that emulates them (an AVX2-only
+    CPU has no oneDNN bf16 kernels: a quickstart Medusa step took 164 s in bf16, 10 s in fp32)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if device.type == "cpu" and dtype is not None and not cpu_prepacks(dtype):
-        warnings.warn(f"trainer.precision={precision} on this CPU ({torch.backends.cpu.get_cpu_capability()}) is "
-                      f"emulated, several times slower than fp32: pass trainer.precision=fp32 model.dtype=float32",
-                      stacklevel=3)
+        return (f"warning: trainer.precision={precision} on this CPU ({torch.backends.cpu.get_cpu_capability()}) is "
+                f"emulated, several times slower than fp32: pass trainer.precision=fp32 model.dtype=float32")
+    return None
 
 
 def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
@@ -102,7 +101,6 @@ def make_accelerator(trainer_cfg, log_with=None, seed: int = 0) -> Accelerator:
                       step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     check_world(acc.num_processes)
     check_engine(acc)
-    check_cpu_precision(trainer_cfg.precision, acc.device)
     if trainer_cfg.get("split_batches") and trainer_cfg.batch_size % acc.num_processes:
         raise DraftsmithError(f"trainer.batch_size={trainer_cfg.batch_size} is the global batch "
                               f"(trainer.split_batches=true) and must divide by the {acc.num_processes} processes")

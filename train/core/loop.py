@@ -38,6 +38,7 @@ from draftsmith.models.sources import load_conversations
 from draftsmith.models.verifier import load_verifier
 from draftsmith.models.vocab import label_counts
 from draftsmith.train.core.accel import (
+    emulated_precision,
     full_copy,
     make_accelerator,
     make_optimizer,
@@ -497,6 +498,9 @@ def fit(cfg, accelerator, data: TrainData, recipe: Recipe) -> dict:
     accelerator.print(f"{recipe.name}: {recipe.describe}; {trainable:,} trainable params, {len(data.train)} train / "
                       f"{len(data.eval)} held-out conversations, {batches.per_epoch} batches/epoch "
                       f"({padding:.0%} padding)")
+    slow = emulated_precision(tcfg.precision, accelerator.device)
+    if slow:
+        accelerator.print(slow)
     metrics: dict = {}
     best = best_so_far(cfg.output_dir, step, recipe.best_key)
     tokens, t0 = 0, time.time()  # this launch's tokens (this process) and start
