@@ -433,7 +433,8 @@ WEIGHTS = {"auto": "auto", "packed": "packed", "plain": "plain"}  # engine.weigh
 
 def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     """Whether the fast forward runs its linear layers on oneDNN-prepacked weights (engine.weights):
-    packed: yes (a bf16 / fp16 verifier on a CPU whose oneDNN has the kernels: cpu_prepacks); plain:
+    packed: yes (a bf16 / fp16 / fp32 verifier on a CPU whose oneDNN has the kernels: cpu_prepacks;
+    fp32 packs everywhere, bf16 / fp16 need AVX-512 or AVX-NE-CONVERT); plain:
     the modules' own weights; auto: packed exactly there, unless a shape-invariant mode runs its own
     linear layers or the step is compiled (torch.compile cannot trace the prepacked weights). On the
     2-core Intel (AVX-512) dev box a one-row bf16 SmolLM2 step took 30.4 ms instead of 39.5
@@ -441,10 +442,10 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     to 16 rows; the price is a second copy of the layer weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
-    fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16)
+    fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if weights == "packed" and not fits:
-        raise DraftsmithError(f"engine.weights=packed prepacks bf16 / fp16 weights for the CPU's oneDNN kernels; this "
-                              f"verifier is {param.dtype} on {param.device.type}: use engine.weights=auto or plain")
+        raise DraftsmithError(f"engine.weights=packed prepacks bf16 / fp16 / fp32 weights for the CPU's oneDNN kernels; "
+                              f"this verifier is {param.dtype} on {param.device.type}: use engine.weights=auto or plain")
     if weights == "packed" and invariant_mode(invariant) is not None:
         raise DraftsmithError("engine.weights=packed and engine.invariant both choose how the linear layers run: "
                               "drop one (engine.weights=auto picks packed only without engine.invariant)")
@@ -455,8 +456,9 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
         raise DraftsmithError(f"engine.weights=packed: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no "
                               f"oneDNN prepacked {param.dtype} linear (it needs AVX-512 or AVX-NE-CONVERT): use "
                               f"engine.weights=auto or plain")
-    fits = fits and cpu_prepacks(param.dtype)
-    return weights == "packed" or (weights == "auto" and fits and invariant_mode(invariant) is None
+    half = param.dtype in (torch.bfloat16, torch.float16)  # auto packs these; fp32 only when asked
+    return weights == "packed" or (weights == "auto" and fits and half and cpu_prepacks(param.dtype)
+                                   and invariant_mode(invariant) is None
                                    and choose(COMPILERS, compile, "engine.compile") is None)
 
 

@@ -127,14 +127,14 @@ def test_an_unsupported_family_is_refused_for_fast_and_served_by_hf():
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen2.5-7b-instruct"])  # qwen2: q/k/v biases through the packed op
 def test_packed_weights_compute_the_modules_own_linear(preset):
     """engine.weights=packed (auto in bf16 on a CPU): every linear layer of the fast forward runs
-    on a oneDNN-prepacked copy of the module's weight. Its logits are HF's bf16 forward's within
-    bf16 rounding, chunked prefill, tree and all, and a row's logits do not depend on how many
-    rows share the forward (one row alone against three)."""
-    if not cpu_prepacks(torch.bfloat16):
-        pytest.skip(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no oneDNN prepacked bf16 linear: "
-                    f"test_packed_weights_are_refused_on_a_cpu_without_the_kernels covers it")
-    model = tiny_family(preset).to(torch.bfloat16)
-    fwd = make_forward(model, "fast", max_rows=3, max_len=64)  # auto: packed here
+    on a oneDNN-prepacked copy of the module's weight. Its logits are HF's forward's in that dtype
+    within bf16 rounding, chunked prefill, tree and all, and a row's logits do not depend on how
+    many rows share the forward (one row alone against three). In bf16 where this CPU has the
+    kernels (auto packs it), else in fp32 (AVX2: packed on request)."""
+    dtype = torch.bfloat16 if cpu_prepacks(torch.bfloat16) else torch.float32
+    model = tiny_family(preset).to(dtype)
+    weights = "auto" if dtype == torch.bfloat16 else "packed"
+    fwd = make_forward(model, "fast", max_rows=3, max_len=64, weights=weights)
     assert fwd.packed is not None
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (11, 5, 8)]
@@ -145,7 +145,7 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
     trees = [DraftTree(tokens=torch.randint(0, 160, (len(TREE),), generator=g), parents=torch.tensor(TREE))
              for _ in range(3)]
     together = run(fwd, model, trees, [len(p) for p in prompts])
-    alone = make_forward(model, "fast", max_rows=1, max_len=64)
+    alone = make_forward(model, "fast", max_rows=1, max_len=64, weights=weights)
     prefill(alone, model, prompts[:1], chunk=4)
     (first,) = run(alone, model, trees[:1], [len(prompts[0])])
     assert torch.equal(first, together[0])
@@ -153,10 +153,11 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
 
 def test_packed_weights_are_refused_where_they_cannot_run():
     model = tiny_family("smollm2-135m")  # float64
-    with pytest.raises(DraftsmithError, match="engine.weights=packed prepacks bf16 / fp16 .*torch.float64") as e:
+    with pytest.raises(DraftsmithError, match="engine.weights=packed prepacks bf16 / fp16 / fp32 .*torch.float64") as e:
         make_forward(model, "fast", max_rows=1, max_len=16, weights="packed")
     assert "\n" not in str(e.value)
     assert make_forward(model, "fast", max_rows=1, max_len=16).packed is None  # auto: the module's own weights
+    assert make_forward(model.to(torch.float32), "fast", max_rows=1, max_len=16).packed is None  # fp32: on request
     bf16 = model.to(torch.bfloat16)
     with pytest.raises(DraftsmithError, match="engine.weights=packed and engine.invariant"):
         make_forward(bf16, "fast", max_rows=1, max_len=16, invariant=True, weights="packed")
