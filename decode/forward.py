@@ -435,11 +435,14 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     """Whether the fast forward runs its linear layers on oneDNN-prepacked weights (engine.weights):
     packed: yes (a bf16 / fp16 / fp32 verifier on a CPU whose oneDNN has the kernels: cpu_prepacks;
     fp32 packs everywhere, bf16 / fp16 need AVX-512 or AVX-NE-CONVERT); plain:
-    the modules' own weights; auto: packed exactly there, unless a shape-invariant mode runs its own
-    linear layers or the step is compiled (torch.compile cannot trace the prepacked weights). On the
-    2-core Intel (AVX-512) dev box a one-row bf16 SmolLM2 step took 30.4 ms instead of 39.5
-    (scripts/bench/profile_step.py forwards=[fast,packed]), the products bit for bit F.linear's up
-    to 16 rows; the price is a second copy of the layer weights in memory."""
+    the modules' own weights; auto: packed for bf16 / fp16 where they pack, and for fp32 where bf16
+    does not (a CPU without AVX-512, where fp32 is the fast dtype: fast_dtype), unless a
+    shape-invariant mode runs its own linear layers or the step is compiled (torch.compile cannot
+    trace the prepacked weights). On the 2-core Intel (AVX-512) dev box a one-row bf16 SmolLM2 step
+    took 30.4 ms instead of 39.5 (scripts/bench/profile_step.py forwards=[fast,packed]), the products
+    bit for bit F.linear's up to 16 rows; on the 2-core AVX2 AMD EPYC box oneDNN's fp32 beat ATen's
+    at every step shape measured (1-16 rows x 1-9 tokens: 10-31% less a step). The price is a
+    second copy of the layer weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
     fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -456,8 +459,9 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
         raise DraftsmithError(f"engine.weights=packed: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no "
                               f"oneDNN prepacked {param.dtype} linear (it needs AVX-512 or AVX-NE-CONVERT): use "
                               f"engine.weights=auto or plain")
-    half = param.dtype in (torch.bfloat16, torch.float16)  # auto packs these; fp32 only when asked
-    return weights == "packed" or (weights == "auto" and fits and half and cpu_prepacks(param.dtype)
+    # auto packs bf16 / fp16, and fp32 where it is the fast dtype (no bf16 kernels: AVX2)
+    chosen = param.dtype in (torch.bfloat16, torch.float16) or not cpu_prepacks(torch.bfloat16)
+    return weights == "packed" or (weights == "auto" and fits and chosen and cpu_prepacks(param.dtype)
                                    and invariant_mode(invariant) is None
                                    and choose(COMPILERS, compile, "engine.compile") is None)
 

@@ -126,14 +126,14 @@ def test_an_unsupported_family_is_refused_for_fast_and_served_by_hf():
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen2.5-7b-instruct"])  # qwen2: q/k/v biases through the packed op
 def test_packed_weights_compute_the_modules_own_linear(preset):
-    """engine.weights=packed (auto in bf16 on a CPU): every linear layer of the fast forward runs
+    """engine.weights=packed (what auto picks on a CPU): every linear layer of the fast forward runs
     on a oneDNN-prepacked copy of the module's weight. Its logits are HF's forward's in that dtype
     within bf16 rounding, chunked prefill, tree and all, and a row's logits do not depend on how
     many rows share the forward (one row alone against three). In bf16 where this CPU has the
-    kernels (auto packs it), else in fp32 (AVX2: packed on request)."""
+    kernels, else in fp32 (AVX2): the dtype auto packs on this CPU."""
     dtype = torch.bfloat16 if cpu_prepacks(torch.bfloat16) else torch.float32
     model = tiny_family(preset).to(dtype)
-    weights = "auto" if dtype == torch.bfloat16 else "packed"
+    weights = "auto"
     fwd = make_forward(model, "fast", max_rows=3, max_len=64, weights=weights)
     assert fwd.packed is not None
     g = torch.Generator().manual_seed(1)
@@ -157,7 +157,6 @@ def test_packed_weights_are_refused_where_they_cannot_run():
         make_forward(model, "fast", max_rows=1, max_len=16, weights="packed")
     assert "\n" not in str(e.value)
     assert make_forward(model, "fast", max_rows=1, max_len=16).packed is None  # auto: the module's own weights
-    assert make_forward(model.to(torch.float32), "fast", max_rows=1, max_len=16).packed is None  # fp32: on request
     bf16 = model.to(torch.bfloat16)
     with pytest.raises(DraftsmithError, match="engine.weights=packed and engine.invariant"):
         make_forward(bf16, "fast", max_rows=1, max_len=16, invariant=True, weights="packed")
@@ -169,6 +168,26 @@ def test_packed_weights_are_refused_where_they_cannot_run():
     with pytest.raises(DraftsmithError, match="engine.weights=packed cannot run under engine.compile=count"):
         make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count", weights="packed")
     assert make_forward(bf16, "fast", max_rows=1, max_len=16, compile="count").packed is None  # auto: compiled
+
+
+@pytest.mark.parametrize("bf16_kernels", [True, False])
+def test_auto_packs_fp32_exactly_where_fp32_is_the_fast_dtype(monkeypatch, bf16_kernels):
+    """engine.weights=auto: fp32 runs the modules' own weights on a CPU with oneDNN's bf16 kernels
+    (AVX-512: bf16 is the dtype to decode in) and packed weights on one without (AVX2: fp32 is,
+    and oneDNN's fp32 beats ATen's there); packed on request either way. bf16 packs where it can."""
+    import draftsmith.decode.forward as forward
+
+    monkeypatch.setattr(forward, "cpu_prepacks", lambda dtype: bf16_kernels or dtype == torch.float32)
+    fp32 = tiny_family("smollm2-135m").to(torch.float32)
+    assert (make_forward(fp32, "fast", max_rows=1, max_len=16).packed is None) == bf16_kernels
+    assert make_forward(fp32, "fast", max_rows=1, max_len=16, weights="packed").packed is not None
+    assert make_forward(fp32, "fast", max_rows=1, max_len=16, weights="plain").packed is None
+    assert make_forward(fp32, "fast", max_rows=1, max_len=16, invariant=True).packed is None
+    bf16 = tiny_family("smollm2-135m").to(torch.bfloat16)
+    assert (make_forward(bf16, "fast", max_rows=1, max_len=16).packed is not None) == bf16_kernels
+    monkeypatch.undo()  # the real probe: auto packs fp32 on this CPU exactly when it has no bf16 kernels
+    packed = make_forward(fp32, "fast", max_rows=1, max_len=16).packed is not None
+    assert packed == (forward.cpu_prepacks(torch.float32) and not forward.cpu_prepacks(torch.bfloat16))
 
 
 def test_packed_weights_are_refused_on_a_cpu_without_the_kernels(monkeypatch):
