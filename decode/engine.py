@@ -48,13 +48,13 @@ from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from draftsmith.decode import sampling
-from draftsmith.decode.budget import FixedBudget
+from draftsmith.decode.budget import BUDGETS, FixedBudget, make_budget
 from draftsmith.decode.cache import check_compactable, new_cache
 from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree, Proposer, VanillaProposer
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import ancestor_mask
-from draftsmith.models.errors import DraftsmithError
+from draftsmith.models.errors import DraftsmithError, choose
 
 # Attention implementations known to add a 4D float mask to the scores as given (engine.forward=hf).
 TREE_MASK_ATTENTION = ("eager", "sdpa", "grouped")
@@ -683,9 +683,10 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=False,
-                   weights: str = "auto") -> "Engine":
-    """A one-row engine for this model, reused across calls (its cache grows to the longest)."""
-    kind = (forward, invariant, weights)
+                   weights: str = "auto", budget: str = "fixed") -> "Engine":
+    """A one-row engine for this model, reused across calls (its cache grows to the longest); an
+    adaptive budget calibrates its step cost once, when the engine is made."""
+    kind = (forward, invariant, weights, budget)
     with _ENGINES_LOCK:
         pool = _ENGINES.setdefault(model, [])
         for engine in pool:
@@ -694,6 +695,7 @@ def _batch1_engine(model: PreTrainedModel, forward: str, tokens: int, invariant=
                 return engine
     engine = Engine(model, max_num_seqs=1, max_len=max(256, tokens + 2 * SLOT_BUCKET), forward=forward,
                     prefill_chunk=1 << 30, invariant=invariant, weights=weights)
+    engine.budget = make_budget(budget, engine.forward, max_num_seqs=1)
     engine.kind, engine.in_use = kind, True
     with _ENGINES_LOCK:
         _ENGINES.setdefault(model, []).append(engine)
@@ -720,6 +722,7 @@ def generate(
     forward: str = "auto",
     invariant=False,
     weights: str = "auto",
+    budget: str = "fixed",
 ) -> "GenerationOutput":
     """Decode up to ``max_new_tokens`` tokens after ``input_ids`` with speculative decoding: an
     Engine with one row (the prompt read in one forward).
@@ -750,6 +753,10 @@ def generate(
         the tree (greedy output = plain greedy output, and with acceptance="coupled" sampled
         output = plain sampling's, in bf16 too).
       weights: the fast forward's linear weights (auto | packed | plain; decode/forward.py packs).
+      budget: how many of the proposer's draft tokens a step verifies (decode/budget.py): "fixed",
+        its whole tree every step; "adaptive", the tokens that maximise tokens per second from the
+        forward's cost T(n), measured once on this machine, and the row's acceptance so far (0: a
+        plain step, where a verify of many tokens costs more than the drafts return).
 
     The verifier's generation_config logits processors (repetition penalty, etc.) are not
     applied: compare against HF generate with them off.
@@ -764,7 +771,8 @@ def generate(
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)  # validated
     sampling.resolve_rule(acceptance, params)
     check_architecture(model)
-    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens, invariant, weights)
+    choose(BUDGETS, budget, "engine.budget")
+    engine = _batch1_engine(model, forward, input_ids.shape[1] + max_new_tokens, invariant, weights, budget)
     try:
         request = engine.add(input_ids[0].tolist(), proposer=proposer, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, acceptance=acceptance,

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.decode import sampling
+from draftsmith.decode.budget import BUDGETS, FixedBudget
 from draftsmith.decode.build import build_proposer, check_drafter
 from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.harness import compare_greedy, interleaved, method_stats, prompt_ids, token_latencies
@@ -140,7 +141,10 @@ def run(cfg: DictConfig) -> dict:
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     sampling.resolve_rule(acceptance, params)  # refuse before any work
     device = resolve_device(cfg.device)
-    check_drafter(cfg)
+    kind = check_drafter(cfg)
+    if choose(BUDGETS, cfg.engine.budget, "engine.budget") is not FixedBudget and kind == "vanilla":
+        raise DraftsmithError(f"engine.budget={cfg.engine.budget} with proposer=vanilla: nothing drafts, so there is "
+                              f"no budget to choose; set engine.budget=fixed or pick a proposer that drafts")
     if cfg.hf.assistant and cfg.hf.enabled and not Path(str(cfg.hf.assistant)).is_dir():
         raise DraftsmithError(f"hf.assistant={cfg.hf.assistant}: no such folder; pass a draft model folder "
                               f"(train/draft.py's final/) or hf.assistant=null")
@@ -191,7 +195,7 @@ def run(cfg: DictConfig) -> dict:
                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                            top_k=cfg.top_k, top_p=cfg.top_p, acceptance=acceptance,
                                            forward=cfg.engine.forward, invariant=cfg.engine.invariant,
-                                           weights=cfg.engine.weights,
+                                           weights=cfg.engine.weights, budget=cfg.engine.budget,
                                            desc=f"evaluate {method}"):
         prompt, ids = prompts[i], prompts_ids[i]
         for name, out in results.items():
@@ -225,7 +229,8 @@ def run(cfg: DictConfig) -> dict:
               "top_k": cfg.top_k, "decode_tree": cfg.decode.name if proposer is not None else None,
               "proposer": proposer.name if proposer is not None else None,  # e.g. eagle+prompt_lookup
               "drafter": cfg.drafter if proposer is not None else None, "drafter_meta": drafter_meta,
-              "device": str(model.device), "threads": torch.get_num_threads(), "lossy": lossy, "methods": {}}
+              "device": str(model.device), "threads": torch.get_num_threads(), "lossy": lossy,
+              "budget": cfg.engine.budget, "methods": {}}
     for name in runs:
         stats = method_stats(outputs[name], latencies[name], max_depth)
         stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"]
@@ -285,7 +290,8 @@ def markdown_table(report: dict) -> str:
     where = report["device"] if report.get("device", "cpu") != "cpu" else f"{report['threads']} threads"
     head = (f"{report['model']} ({report['dtype']}, {where}), data={report['data']} "
             f"x{report['num_prompts']}, T={report['temperature']}, max_new_tokens={report['max_new_tokens']}, "
-            f"tree={report['decode_tree']}" + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
+            f"tree={report['decode_tree']}" + (f", budget={report['budget']}" if report.get("budget", "fixed") != "fixed"
+                                                else "") + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
     rows = ["| method | tau | tokens/s | speedup vs vanilla | median ms/token | p99 ms/token | greedy identical |",
             "|---|---|---|---|---|---|---|"]
     for name, m in report["methods"].items():

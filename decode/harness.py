@@ -34,10 +34,12 @@ def plain_rule(acceptance: str) -> str:
 
 def interleaved(model, prompts_ids: list[torch.Tensor], runs: dict, *, num_samples: int, seed: int,
                 max_new_tokens: int, temperature: float, top_k: int, top_p: float, acceptance: str = "auto",
-                forward: str = "auto", invariant=False, weights: str = "auto", desc: str = "evaluate"):
+                forward: str = "auto", invariant=False, weights: str = "auto", budget: str = "fixed",
+                desc: str = "evaluate"):
     """Yield (prompt index, sample index, sample seed, {name: GenerateOutput}) for every prompt
     (prompts_ids: (1, T) each) and sample: each decoder of `runs` on the same ids, generator seeded
-    the same, the order rotating with the prompt; plain decoding keeps coupled sampling (plain_rule)."""
+    the same, the order rotating with the prompt; plain decoding keeps coupled sampling (plain_rule);
+    `budget` (engine.budget) is the drafting runs'."""
     names = list(runs)
     for i, ids in enumerate(tqdm(prompts_ids, desc=desc)):
         order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
@@ -49,7 +51,8 @@ def interleaved(model, prompts_ids: list[torch.Tensor], runs: dict, *, num_sampl
                 outs[name] = generate(model, ids, proposer=runs[name], max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_p=top_p, top_k=top_k, generator=gen,
                                       acceptance=plain_rule(acceptance) if runs[name] is None else acceptance,
-                                      forward=forward, invariant=invariant, weights=weights)
+                                      forward=forward, invariant=invariant, weights=weights,
+                                      budget="fixed" if runs[name] is None else budget)
             yield i, s, sample_seed, {name: outs[name] for name in names}
 
 

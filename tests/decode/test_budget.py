@@ -10,7 +10,7 @@ from draftsmith.decode.budget import AdaptiveBudget, FixedBudget, RowStats, Step
 from draftsmith.decode.forward import make_forward
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.models.errors import DraftsmithError
-from tests.decode.rows import SCHEDULE, Alternating, bandwidth_bound, row_prompt, run_schedule
+from tests.decode.rows import MEDUSA_TREE, SCHEDULE, Alternating, bandwidth_bound, row_prompt, run_schedule
 from tests.laws import reference
 
 
@@ -155,3 +155,38 @@ def test_every_row_stays_its_own_greedy_output_whatever_the_budgets(batch_setup,
     plain = [s for r in requests for s in r.steps if s.num_nodes == 1]
     drafted = [s for r, (k, *_) in zip(requests, SCHEDULE) for s in r.steps if s.num_nodes > 1 and k != "vanilla"]
     assert plain and drafted  # rows really skipped their proposer on some steps and drafted on others
+
+
+@pytest.mark.parametrize("machine", ["verify-is-free", "every-token-costs-a-step"])
+def test_generate_with_the_adaptive_budget_drafts_where_it_pays_and_stays_lossless(batch_setup, monkeypatch, machine):
+    """generate(budget="adaptive") (decode/evaluate.py engine.budget): one row's engine measures its
+    step cost once; where verifying many tokens costs no more than one it drafts, where every token
+    costs a step (an AVX2 CPU's fp32 products, in the limit) it decodes plain; either way the output
+    is the verifier's own greedy output."""
+    from draftsmith.decode import budget as budget_module
+    from draftsmith.decode.engine import _ENGINES, generate
+
+    model, factories = batch_setup
+    per_token = 0.0 if machine == "verify-is-free" else 0.01
+
+    def calibrate(self, forward, cache_rows, max_tokens, repeats=3):
+        self.points = {n: 0.01 + per_token * (n - 1) for n in (1, 2, 4, 8, 16, 32)}
+        return self
+
+    monkeypatch.setattr(budget_module.StepCost, "calibrate", calibrate)
+    monkeypatch.setattr(budget_module.StepCost, "observe", lambda self, *args, **kwargs: None)  # the machine as set
+    _ENGINES.pop(model, None)  # a fresh one-row engine: its budget calibrates when it is made
+    ids = torch.tensor([row_prompt(3, 21)])
+    out = generate(model, ids, proposer=factories["medusa"](), max_new_tokens=30, eos_token_id=(), budget="adaptive")
+    assert out.tokens == reference(model, ids, max_new_tokens=30, eos_token_id=None)
+    nodes = [s.num_nodes for s in out.steps]
+    if machine == "verify-is-free":
+        assert max(nodes) > 1 and out.tau > 1
+    else:
+        assert set(nodes) == {1} and out.tau == 1
+    fixed = generate(model, ids, proposer=factories["medusa"](), max_new_tokens=30, eos_token_id=())
+    assert max(s.num_nodes for s in fixed.steps) == len(MEDUSA_TREE) + 1  # fixed: the whole tree, whatever the machine
+    _ENGINES.pop(model, None)
+    with pytest.raises(DraftsmithError, match="engine.budget='some' is not known; valid: adaptive, fixed") as e:
+        generate(model, ids, proposer=factories["medusa"](), max_new_tokens=4, budget="some")
+    assert "\n" not in str(e.value)

@@ -93,6 +93,21 @@ def test_vanilla_method_needs_no_drafter_and_unknown_proposer_is_refused(tiny_mo
         run(_cfg(tiny_model_dir, tmp_path / "eval", "proposer.kind=eagle9"))
 
 
+def test_the_adaptive_budget_evaluates_losslessly_and_is_refused_where_nothing_drafts(tiny_model_dir, drafter, tmp_path):
+    """engine.budget=adaptive: the drafting run verifies what pays on this machine (recorded in the
+    report and its table's head), still plain greedy's output; with proposer=vanilla the key would
+    be ignored, so it is refused, as is an unknown policy, before any model loads."""
+    report = run(_cfg(tiny_model_dir, tmp_path / "eval", f"drafter={drafter}", "decode=medusa-small",
+                      "engine.budget=adaptive", "hf.enabled=false"))
+    assert report["budget"] == "adaptive" and "budget=adaptive" in (tmp_path / "eval" / "results.md").read_text()
+    assert report["methods"]["medusa"]["greedy_identity_rate"] == 1.0
+    with pytest.raises(DraftsmithError, match="engine.budget=adaptive with proposer=vanilla: nothing drafts") as e:
+        run(_cfg(tiny_model_dir, tmp_path / "eval2", "proposer=vanilla", "drafter=null", "engine.budget=adaptive"))
+    assert "\n" not in str(e.value) and not (tmp_path / "eval2").exists()
+    with pytest.raises(DraftsmithError, match="engine.budget='load' is not known; valid: adaptive, fixed"):
+        run(_cfg(tiny_model_dir, tmp_path / "eval3", f"drafter={drafter}", "engine.budget=load"))
+
+
 @pytest.mark.parametrize("method,decode", [("prompt-lookup", "prompt-lookup"), ("lookahead", "lookahead"),
                                            ("draft", "draft-chain"), ("draft", "draft-tree")])
 def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, decode):
