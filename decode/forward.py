@@ -284,7 +284,8 @@ class FastLlama:
             weight = torch.cat([m.weight for m in modules])  # (sum out, in)
             bias = (None if all(m.bias is None for m in modules) else
                     torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]))
-            self.packed[modules] = (torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias)
+            rows = PACK_ROWS.get(weight.dtype, 1)  # the product's rows oneDNN lays the weight out for
+            self.packed[modules] = (torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias)
         packed, bias = self.packed[modules]
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
         out = out.view(*x.shape[:-1], -1)
@@ -429,6 +430,14 @@ class HFForward:
 
 FORWARDS = {"fast": FastLlama, "hf": HFForward, "auto": None}  # engine.forward
 WEIGHTS = {"auto": "auto", "packed": "packed", "plain": "plain"}  # engine.weights
+# The rows oneDNN is told to expect when it lays out a prepacked weight (its batch-size hint). At 1
+# it picks a one-row layout: on the 2-core AVX2 AMD EPYC box an fp32 product of 2-64 rows then took
+# 1.3-2x as long as with a hint of 4-64 (30 layers' weights and the lm_head, 2 threads: 2 rows
+# 46.6 -> 24.7-28.1 ms, 16 rows 72.0 -> 53.7-59.0, 64 rows 177.0 -> 136.4-142.9; one row 25-29 ms
+# with any hint), and with a hint >= 4 each row's bits were the same whatever the rows beside it
+# (with 1, one row alone differed). bf16 / fp16 keep the hint they were measured with on the
+# AVX-512 box (1: bit for bit F.linear's up to 16 rows); other hints there are not measured yet.
+PACK_ROWS = {torch.float32: 16}
 
 
 def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
