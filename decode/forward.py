@@ -449,9 +449,9 @@ def packs(model, weights: str, invariant=None, compile: str = "none") -> bool:
     shape-invariant mode runs its own linear layers or the step is compiled (torch.compile cannot
     trace the prepacked weights). On the 2-core Intel (AVX-512) dev box a one-row bf16 SmolLM2 step
     took 30.4 ms instead of 39.5 (scripts/bench/profile_step.py forwards=[fast,packed]), the products
-    bit for bit F.linear's up to 16 rows; on the 2-core AVX2 AMD EPYC box oneDNN's fp32 beat ATen's
-    at every step shape measured (1-16 rows x 1-9 tokens: 10-31% less a step). The price is a
-    second copy of the layer weights in memory."""
+    bit for bit F.linear's up to 16 rows; on the 2-core AVX2 AMD EPYC box oneDNN's fp32 (laid out
+    for 16 rows: PACK_ROWS) beat ATen's at every step shape measured (1-16 rows x 1-9 tokens: 19-51%
+    less a step). The price is a second copy of the layer weights in memory."""
     choose(WEIGHTS, weights, "engine.weights")
     param = next(model.parameters())
     fits = param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16, torch.float32)
