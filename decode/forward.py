@@ -177,6 +177,11 @@ class FastLlama:
         self.chunk = INVARIANT_ROWS.get(next(model.parameters()).dtype, 8)
         inner = model.model
         self.embed, self.norm, self.layers = inner.embed_tokens, inner.norm, list(inner.layers)
+        # per layer, the modules a step reads, looked up once (an nn.Module attribute costs a
+        # Python lookup chain each time: ~20 a layer, 30 layers, every step)
+        self.blocks = [(layer.input_layernorm, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        layer.self_attn.o_proj, layer.post_attention_layernorm,
+                        (layer.mlp.gate_proj, layer.mlp.up_proj), layer.mlp.down_proj) for layer in self.layers]
         self.num_layers, self.kv_heads, self.head_dim = kv_shape(model)
         self.heads = model.config.num_attention_heads
         rope = inner.rotary_emb
@@ -234,17 +239,15 @@ class FastLlama:
         h = embedded[0] if len(steps) == 1 else torch.cat(embedded)  # (T, H): every step's tokens
         sizes = [B * N for B, N, *_ in shapes]
         captured = []
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = rms_norm(h, layer.input_layernorm)
-            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x, joined=True)  # (T, (Hq + 2 Hkv) D)
+        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up, down_proj) in enumerate(self.blocks):
+            x = rms_norm(h, norm_in)
+            qkv = self.linears(qkv_proj, x, joined=True)  # (T, (Hq + 2 Hkv) D)
             parts = [qkv] if len(steps) == 1 else qkv.split(sizes)
             o = [self.attend(i, part, *shape, exact) for part, shape in zip(parts, shapes)]  # (B * N, Hq * D) each
-            h = h + self.linear(attn.o_proj, o[0] if len(o) == 1 else torch.cat(o))
-            x = rms_norm(h, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            gate, up = self.linears((mlp.gate_proj, mlp.up_proj), x)
-            h = h + self.linear(mlp.down_proj, F.silu(gate) * up)
+            h = h + self.linear(o_proj, o[0] if len(o) == 1 else torch.cat(o))
+            x = rms_norm(h, norm_post)
+            gate, up = self.linears(gate_up, x)
+            h = h + self.linear(down_proj, F.silu(gate) * up)
             if keep[i] and i < self.num_layers - 1:
                 captured.append(h)
         hidden = rms_norm(h, self.norm)  # (T, H)
@@ -341,7 +344,12 @@ compiled.graphs = 0  # graphs captured by backend="count"
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """HF's LlamaRMSNorm: in float32, then the weight times the result in x's dtype."""
+    """HF's LlamaRMSNorm: in float32, then the weight times the result in x's dtype. An fp32 x
+    and weight: torch's fused rms_norm, one op for seven, the same bits (HF's module against it:
+    tests/decode/test_forward.py, test_rms_norm_is_hfs_bit_for_bit); other dtypes round twice in
+    HF's (the normed value, then the product), which the fused op does not."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * xf.to(x.dtype)

@@ -151,6 +151,28 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
     assert torch.equal(first, together[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_is_hfs_bit_for_bit(dtype):
+    """The fast forward's RMSNorm (torch's fused op for fp32, HF's arithmetic otherwise) gives HF's
+    LlamaRMSNorm's bits, over the widths and row counts a step holds; and a norm that skips the
+    float32 upcast (what the fused op would do to a bf16 input) does not."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from draftsmith.decode.forward import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for width in (64, 576, 2048):
+        norm = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+        norm.weight.data = torch.randn(width, generator=g).to(dtype)
+        for rows in (1, 3, 9, 16, 300):
+            for scale in (1e-3, 1.0, 30.0):
+                x = (torch.randn(rows, width, generator=g) * scale).to(dtype)
+                assert torch.equal(rms_norm(x, norm), norm(x)), (width, rows, scale)
+    if dtype == torch.bfloat16:
+        fused = torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        assert not torch.equal(fused, norm(x))
+
+
 def test_packed_weights_are_refused_where_they_cannot_run():
     model = tiny_family("smollm2-135m")  # float64
     with pytest.raises(DraftsmithError, match="engine.weights=packed prepacks bf16 / fp16 / fp32 .*torch.float64") as e:
