@@ -17,8 +17,10 @@
 # makes each head's projection 6x cheaper to train and to decode with; the verifier runs in
 # DTYPE everywhere (default: bf16 where the CPU computes it natively, AVX-512 / AMX, else fp32:
 # models.verifier.fast_dtype; the fingerprint does not depend on dtype); the evaluation verifies
-# the medusa-cpu tree (root + 8 drafted nodes) (~1.1 plain steps to verify with AVX-512 / AMX,
-# ~1.9 on an AVX2-only CPU, where it loses: docs/results/main-job.md).
+# the medusa-cpu tree (root + 8 drafted nodes; ~1.1 plain steps to verify with AVX-512 / AMX) in
+# bf16, and head 0's top-1 alone in fp32 (PATHS; an AVX2-only CPU, where each node a verify holds
+# costs: there scripts/bench/tune_decode.py measured 1.06x for it against 0.84x for the 8 nodes,
+# both grafts on: docs/results/main-job.md). PATHS=default keeps medusa-cpu's tree in any dtype.
 # Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh
 # (extra arguments are Hydra overrides for train/medusa.py).
 set -euo pipefail
@@ -28,6 +30,9 @@ STEPS="${STEPS:-100}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
 DTYPE="${DTYPE:-$(python -c 'from draftsmith.models.verifier import fast_dtype; print(fast_dtype())')}"
 PRECISION="$(case "$DTYPE" in float32) echo fp32;; float16) echo fp16;; *) echo bf16;; esac)"  # the heads', as the verifier
+PATHS="${PATHS:-$(case "$DTYPE" in float32) echo '[[0]]';; *) echo default;; esac)}"  # the heads' tree (decode.paths)
+TREE=()
+if [ "$PATHS" != default ]; then TREE=("decode.paths=$PATHS"); fi
 export WANDB_MODE="${WANDB_MODE:-offline}"
 
 python scripts/generate_selfdistill.py num_prompts="$NUM_PROMPTS" max_new_tokens=128 model.dtype="$DTYPE"
@@ -35,6 +40,6 @@ python train/medusa.py data=selfdistill-mix method.targets=verifier method.draft
     trainer.max_steps="$STEPS" trainer.eval_every=50 trainer.save_every=50 model.dtype="$DTYPE" \
     trainer.precision="$PRECISION" "$@"
 python scripts/build_datastore.py data=sharegpt-pypi
-python decode/evaluate.py model.dtype="$DTYPE" decode=medusa-cpu decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
+python decode/evaluate.py model.dtype="$DTYPE" decode=medusa-cpu ${TREE[@]+"${TREE[@]}"} decode.lookup_tokens=10 decode.lookup_min_ngram=2 \
     decode.datastore=outputs/datastore/sharegpt-pypi-smollm2-135m decode.datastore_tokens=4 \
     data=mtbench data.num_prompts="$EVAL_PROMPTS" max_new_tokens=64
