@@ -154,8 +154,8 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_rms_norm_is_hfs_bit_for_bit(dtype):
     """The fast forward's RMSNorm (torch's fused op for fp32, HF's arithmetic otherwise) gives HF's
-    LlamaRMSNorm's bits, over the widths and row counts a step holds; and a norm that skips the
-    float32 upcast (what the fused op would do to a bf16 input) does not."""
+    LlamaRMSNorm's bits, over the widths and row counts a step holds; and on a bf16 input the fused
+    op, which rounds once where HF's rounds twice, does not (why it runs for fp32 only)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from draftsmith.decode.forward import rms_norm
