@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The offline default, end to end, on SmolLM2-135M-Instruct (about 12 minutes on 2 CPU cores with
-# AVX-512 / AMX, about 21-25 on an AVX2-only CPU):
+# AVX-512 / AMX, about 19-25 on an AVX2-only CPU):
 #   1. convert the packaged GGUF verifier once (cached under ~/.cache/draftsmith),
 #   2. self-distill: the verifier answers chit-chat prompts itself (continuous batching, greedy;
 #      resumable),
