@@ -227,6 +227,7 @@ def run(cfg: DictConfig) -> dict:
               "data": cfg.data.name, "num_prompts": len(prompts), "num_samples": cfg.num_samples,
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
               "top_k": cfg.top_k, "decode_tree": cfg.decode.name if proposer is not None else None,
+              "decode_overrides": decode_overrides() if proposer is not None else [],
               "proposer": proposer.name if proposer is not None else None,  # e.g. eagle+prompt_lookup
               "drafter": cfg.drafter if proposer is not None else None, "drafter_meta": drafter_meta,
               "device": str(model.device), "threads": torch.get_num_threads(), "lossy": lossy,
@@ -286,11 +287,22 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
             "note": "greedy, plain decoding of both verifiers; the decoder is lossless w.r.t. the tuned one"}
 
 
+def decode_overrides() -> list[str]:
+    """The decode.* keys this run's command line set over its preset (e.g. decode.paths=[[0]]), so
+    a table head does not name a preset whose tree was replaced; [] outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("decode.")]
+
+
 def markdown_table(report: dict) -> str:
     where = report["device"] if report.get("device", "cpu") != "cpu" else f"{report['threads']} threads"
     head = (f"{report['model']} ({report['dtype']}, {where}), data={report['data']} "
             f"x{report['num_prompts']}, T={report['temperature']}, max_new_tokens={report['max_new_tokens']}, "
-            f"tree={report['decode_tree']}" + (f", budget={report['budget']}" if report.get("budget", "fixed") != "fixed"
+            f"tree={report['decode_tree']}" + "".join(f" {o}" for o in report.get("decode_overrides", []))
+            + (f", budget={report['budget']}" if report.get("budget", "fixed") != "fixed"
                                                 else "") + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
     rows = ["| method | tau | tokens/s | speedup vs vanilla | median ms/token | p99 ms/token | greedy identical |",
             "|---|---|---|---|---|---|---|"]

@@ -108,6 +108,28 @@ def test_the_adaptive_budget_evaluates_losslessly_and_is_refused_where_nothing_d
         run(_cfg(tiny_model_dir, tmp_path / "eval3", f"drafter={drafter}", "engine.budget=load"))
 
 
+def test_the_table_head_names_the_decode_keys_the_command_line_replaced(tiny_model_dir, drafter, tmp_path):
+    """Run as a user runs it: a command line that replaces a preset's keys (decode.paths=[[0]]) has
+    them in the table's head and the report beside the preset's name, so "tree=medusa-small" never
+    stands for a tree the run did not verify; the one-node tree verifies 2 nodes a step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "eval"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "decode/evaluate.py", *tiny_model_overrides(tiny_model_dir), "data=tiny",
+                    "data.num_prompts=2", "max_new_tokens=8", f"output_dir={out}", f"drafter={drafter}",
+                    "decode=medusa-small", "decode.paths=[[0]]", "hf.enabled=false"], cwd=root, check=True,
+                   capture_output=True)
+    report = json.loads((out / "results.json").read_text())
+    assert report["decode_tree"] == "medusa-small" and report["decode_overrides"] == ["decode.paths=[[0]]"]
+    assert "tree=medusa-small decode.paths=[[0]]" in (out / "results.md").read_text()
+    assert report["methods"]["medusa"]["mean_nodes"] <= 2 < len(compose_config("evaluate", ["decode=medusa-small"]).decode.paths) + 1
+    plain = run(_cfg(tiny_model_dir, tmp_path / "eval2", f"drafter={drafter}", "decode=medusa-small", "hf.enabled=false"))
+    assert plain["decode_overrides"] == []  # composed without a command line: the preset as it is
+
+
 @pytest.mark.parametrize("method,decode", [("prompt-lookup", "prompt-lookup"), ("lookahead", "lookahead"),
                                            ("draft", "draft-chain"), ("draft", "draft-tree")])
 def test_decode_only_methods_run_losslessly(tiny_model_dir, tmp_path, method, decode):
