@@ -28,7 +28,7 @@ from draftsmith.decode.engine import generate, summarize
 from draftsmith.decode.harness import compare_greedy, interleaved, method_stats, prompt_ids, token_latencies
 from draftsmith.decode.lookup import PromptLookupGraft
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.models.entry import compose_main, launch
+from draftsmith.models.entry import compose_main, launch, run_overrides
 from draftsmith.models.errors import DraftsmithError, choose
 from draftsmith.models.sources import load_prompts
 from draftsmith.models.verifier import load_verifier, resolve_device
@@ -290,11 +290,7 @@ def tuned_vs_original(original: dict, cfg, prompts_ids: list[torch.Tensor], tune
 def decode_overrides() -> list[str]:
     """The decode.* keys this run's command line set over its preset (e.g. decode.paths=[[0]]), so
     a table head does not name a preset whose tree was replaced; [] outside a Hydra run."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return []
-    return [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("decode.")]
+    return [o for o in run_overrides() or [] if o.lstrip("+~").startswith("decode.")]
 
 
 def markdown_table(report: dict) -> str:

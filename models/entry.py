@@ -152,6 +152,14 @@ def model_overrides(model: DictConfig) -> list[str]:
 DEFAULT_MODEL = "smollm2-135m"  # the model preset every main config starts from
 
 
+def run_overrides() -> list[str] | None:
+    """The overrides this run's command line gave Hydra (its task overrides, as typed), or None
+    outside a run started by `launch` (a config composed in a test or a notebook)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
 def check_cli_overrides(config_name: str, argv: list[str] | None = None) -> None:
     """Compose the config like Hydra would and stop on a bad override before any work starts."""
     problem = config_problem(config_name, sys.argv[1:] if argv is None else argv)

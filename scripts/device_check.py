@@ -47,7 +47,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.models.entry import CONF_DIR, config_problem, launch, model_overrides
+from draftsmith.models.entry import CONF_DIR, config_problem, launch, model_overrides, run_overrides
 from draftsmith.models.errors import DraftsmithError, choose
 
 ROOT = CONF_DIR.parent
@@ -573,12 +573,11 @@ def toy_verifier(out: Path) -> list[str]:
 
 def child_overrides(cfg) -> list[str]:
     """The parent's own command-line overrides, for every child (stage= replaced)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
+    overrides = run_overrides()
+    if overrides is None:
         raise DraftsmithError("stage=null runs the stages as children with this run's overrides: start it as "
                               "`python scripts/device_check.py ...` (or bash scripts/device_check.sh)")
-    return [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") != "stage"]
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "stage"]
 
 
 def run_child(cfg, name: str, limit: float, out: Path, env: dict, overrides: list[str]) -> dict:
