@@ -24,19 +24,30 @@ from tests.laws import pit_values, reference
 def test_every_row_is_its_own_greedy_generate_while_rows_join_and_leave(batch_setup, monkeypatch):
     model, factories = batch_setup
     forwards_run = []  # per forward: its steps' (rows, tokens per row)
-    many = forwards.FastLlama.many
+    chunk_steps = []  # per step with prompt chunks: their steps' shapes, and whether rows decoded beside them
+    many, chunks_of = forwards.FastLlama.many, Engine._chunks
 
     def recorded(self, steps, capture=()):
         forwards_run.append([tuple(step[0].shape) for step in steps])
         return many(self, steps, capture)
 
+    def chunked(self):
+        chunks = chunks_of(self)
+        chunk_steps.append(([tuple(step[0].shape) for step in chunks.steps], bool(self.decoding)))
+        return chunks
+
     monkeypatch.setattr(forwards.FastLlama, "many", recorded)
+    monkeypatch.setattr(Engine, "_chunks", chunked)
     requests, widest = run_schedule(model, factories, SCHEDULE)
     assert widest == 3  # rows really decoded side by side (and the 5 later ones joined as others left)
-    # prompts were read in chunks in the decoding rows' own forward (one forward a step, a second
-    # step in it for the chunks), and only there
-    assert sum(len(steps) == 2 for steps in forwards_run) >= 5, forwards_run
-    assert all(len(steps) <= 2 for steps in forwards_run)
+    # prompts were read in chunks, in the decoding rows' own forward when rows decoded (the trees'
+    # step first, then one step per row's chunk: a forward of 2+ steps), each chunk its own (1, n)
+    # step (never padded to the longest), prefill_chunk=8 tokens a step in all
+    assert sum(len(steps) >= 2 and steps[0][0] >= 2 for steps in forwards_run) >= 3, forwards_run
+    assert sum(beside for _, beside in chunk_steps) >= 5, chunk_steps
+    assert any(len(shapes) >= 2 for shapes, _ in chunk_steps), chunk_steps  # rows shared a step's 8 tokens
+    assert all(rows == 1 for shapes, _ in chunk_steps for rows, _ in shapes), chunk_steps
+    assert all(sum(n for _, n in shapes) <= 8 for shapes, _ in chunk_steps), chunk_steps
     for (kind, seed, length, new, _), request in zip(SCHEDULE, requests):
         ids = torch.tensor([row_prompt(seed, length)])
         assert request.out == reference(model, ids, max_new_tokens=new, eos_token_id=None), kind
