@@ -18,7 +18,9 @@
                 of B * W tokens on an empty cache: every row reads its own cache; one shared
                 correction would keep a wrong ratio of wide to plain steps for ever);
         c_b     the row's own work when it drafts: its proposal, its acceptance rule and its
-                proposer's update (a running mean of its own).
+                proposer's update (a running mean of its own; a row that has not drafted yet takes
+                the running mean of the rows with its kind of proposer: a new row is not free to
+                try, or every row joining a full batch widens a whole step to try its drafts).
 
       W = 1 with no row drafting is plain continuous batching: the proposers do not run and
       nothing is paid beyond a plain step. At low load drafting is nearly free (T barely grows
@@ -185,6 +187,7 @@ class AdaptiveBudget:
         self.stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts: Counter = Counter()  # chosen width -> steps
         self.drafting: Counter = Counter()  # rows that drafted / did not, over all steps
+        self.work: dict = {}  # proposer name -> running mean of a row's work on a drafting step (c_b of new rows)
 
     def _row(self, request) -> RowStats:
         stats = self.stats.get(request)
@@ -196,9 +199,11 @@ class AdaptiveBudget:
         """(step width W, which rows draft) maximising expected tokens per second."""
         B = len(rows)
         stats = [self._row(r) for r in rows]
+        works = [s.work_s if s.work_s is not None else self.work.get(proposer_name(r), 0.0) for r, s in zip(rows, stats)]
         best = (sum(1.0 for _ in rows) / self.cost(B), 1, [False] * B)  # plain decoding
         for width in self.widths[1:]:
-            gains = [(s.expected(width, self.prior, self.weight, self.half_life) - 1.0, s.work_s or 0.0) for s in stats]
+            gains = [(s.expected(width, self.prior, self.weight, self.half_life) - 1.0, work)
+                     for s, work in zip(stats, works)]
             order = sorted(range(B), key=lambda b: -gains[b][0] / (gains[b][1] + 1e-6))
             draft = [False] * B
             tokens, spent = float(B), self.cost(B * width, width)
@@ -231,6 +236,13 @@ class AdaptiveBudget:
                 continue
             stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
             stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
+            kind, mean = proposer_name(request), self.work.get(proposer_name(request))
+            self.work[kind] = spent if mean is None else 0.9 * mean + 0.1 * spent
+
+
+def proposer_name(request) -> str | None:
+    """The kind of proposer a row drafts with (rows of one kind share the estimate of a new row's work)."""
+    return getattr(getattr(request, "proposer", None), "name", None)
 
 
 BUDGETS = {"fixed": FixedBudget, "adaptive": AdaptiveBudget}

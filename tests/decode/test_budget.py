@@ -94,6 +94,18 @@ def test_speculates_at_low_load_and_steps_aside_as_the_batch_grows():
     assert widths == sorted(widths, reverse=True), widths  # never wider as the load grows
 
 
+@pytest.mark.parametrize("propose_s, drafts", [(0.005, False), (0.0005, True)])
+def test_a_new_row_is_not_free_to_try(propose_s, drafts):
+    """Rows that have not drafted yet take the drafting work their kind of proposer has shown: where
+    a row's work (5 ms beside a 10 ms step) outweighs what it may accept, 8 new rows stay plain
+    (taken as free, each would widen the whole step to try); where the work is small they draft."""
+    policy = AdaptiveBudget(bandwidth_bound(knee=16))
+    taught(policy, [Row() for _ in range(8)], accept=0.5, propose_s=propose_s)  # rows that have finished
+    new = [Row() for _ in range(8)]
+    width, draft = policy.plan(new)
+    assert (width > 1) == drafts and any(draft) == drafts, (width, draft)
+
+
 def test_a_row_that_never_accepts_stops_drafting():
     policy = AdaptiveBudget(bandwidth_bound(knee=16))
     good, bad = Row(), Row()
