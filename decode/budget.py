@@ -236,8 +236,8 @@ class AdaptiveBudget:
                 continue
             stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
             stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
-            kind, mean = proposer_name(request), self.work.get(proposer_name(request))
-            self.work[kind] = spent if mean is None else 0.9 * mean + 0.1 * spent
+            kind = proposer_name(request)
+            self.work[kind] = spent if kind not in self.work else 0.9 * self.work[kind] + 0.1 * spent
 
 
 def proposer_name(request) -> str | None:

@@ -295,11 +295,12 @@ def decode_overrides() -> list[str]:
 
 def markdown_table(report: dict) -> str:
     where = report["device"] if report.get("device", "cpu") != "cpu" else f"{report['threads']} threads"
+    tree = " ".join([f"tree={report['decode_tree']}", *report.get("decode_overrides", [])])
+    budget = f", budget={report['budget']}" if report.get("budget", "fixed") != "fixed" else ""
+    lossy = " — LOSSY (typical acceptance)" if report["lossy"] else ""
     head = (f"{report['model']} ({report['dtype']}, {where}), data={report['data']} "
             f"x{report['num_prompts']}, T={report['temperature']}, max_new_tokens={report['max_new_tokens']}, "
-            f"tree={report['decode_tree']}" + "".join(f" {o}" for o in report.get("decode_overrides", []))
-            + (f", budget={report['budget']}" if report.get("budget", "fixed") != "fixed"
-                                                else "") + (" — LOSSY (typical acceptance)" if report["lossy"] else ""))
+            f"{tree}{budget}{lossy}")
     rows = ["| method | tau | tokens/s | speedup vs vanilla | median ms/token | p99 ms/token | greedy identical |",
             "|---|---|---|---|---|---|---|"]
     for name, m in report["methods"].items():
