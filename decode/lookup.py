@@ -75,6 +75,25 @@ def graft(
     return tokens, parents, nodes
 
 
+def lead_with(tokens: Sequence[int], parents: Sequence[int], first: Sequence[Sequence[int]]
+              ) -> tuple[list[int], list[int], list[int]]:
+    """(tokens, parents, order): the same tree with the nodes of the paths ``first`` (lists of node
+    indices, root-down, as ``graft`` returns them) moved to the front, in the order given, and every
+    other node after them in its old order: still topological (a path lists a node after its parent); order[i] is the
+    old index of new node i. A budget that verifies a tree's first w nodes (decode.engine.truncate)
+    then keeps these paths before the rest."""
+    order = [0]
+    placed = {0}
+    for path in first:
+        for v in path:
+            if v not in placed:
+                placed.add(v)
+                order.append(v)
+    order += [v for v in range(len(tokens)) if v not in placed]
+    where = {old: new for new, old in enumerate(order)}
+    return [int(tokens[v]) for v in order], [-1] + [where[int(parents[v])] for v in order[1:]], order
+
+
 def ngram_continuations(
     ids: torch.Tensor, max_ngram: int, min_ngram: int, num_tokens: int, num_matches: int = 1
 ) -> list[list[int]]:
@@ -181,6 +200,12 @@ class PromptLookupGraft(Proposer):
     combination outright). The drafter's state follows the accepted path whatever its nodes'
     origin (EAGLE takes the verifier's features of the accepted nodes, a draft model re-feeds
     the accepted tokens it did not draft).
+
+    The grafted tree leads with the continuations (``lead_with``), the drafter's other nodes after
+    them: a step the load-aware budget cuts to its first w nodes keeps the continuations. On the
+    AVX2 box (MT-bench x 8, fp32, Medusa-1 heads with both grafts, engine.budget=adaptive) a step
+    accepted 1.33 tokens on average instead of 1.19 with the drafter's nodes first. The drafter is
+    told the step in graft's own order (its nodes numbered as it proposed them).
     """
 
     def __init__(self, inner: Proposer, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1,
@@ -197,6 +222,7 @@ class PromptLookupGraft(Proposer):
         self.name = "+".join([inner.name, *sources])
         self.feature_layers = list(getattr(inner, "feature_layers", None) or ())  # EAGLE-3's, for the engine
         self.active = True  # False while the drafter samples its drafts (set per call in prefill)
+        self.grafted_as = None  # (the tree in graft's order, lead_with's order) of the last graft
 
     @property
     def max_depth(self) -> int:
@@ -237,6 +263,7 @@ class PromptLookupGraft(Proposer):
 
     def grafted(self, tree: DraftTree, ids: list[int]) -> DraftTree:
         """The drafter's tree with the prompt-lookup / datastore continuations grafted on."""
+        self.grafted_as = None
         if not self.active:
             return tree
         if tree.draft_probs is not None:
@@ -249,12 +276,36 @@ class PromptLookupGraft(Proposer):
             conts += self.retrieval.paths(ids)
         if not conts:
             return tree
-        tokens, parents, _ = graft(tree.tokens.tolist(), tree.parents.tolist(), conts)
+        tokens, parents, nodes = graft(tree.tokens.tolist(), tree.parents.tolist(), conts)
         if len(tokens) == tree.size:  # the drafter had proposed the whole continuation already
             return tree
-        return _deterministic_tree(tokens, parents, tree.tokens.device)
+        # the continuations first: a step the budget cuts (decode.engine.truncate keeps a tree's
+        # first nodes) keeps them before the drafter's wider nodes, which a cut step rarely accepts
+        led_tokens, led_parents, order = lead_with(tokens, parents, nodes)
+        self.grafted_as = (_deterministic_tree(tokens, parents, tree.tokens.device), order)
+        return _deterministic_tree(led_tokens, led_parents, tree.tokens.device)
+
+    def _inner_order(self, tree: DraftTree, path: list[int], hidden: torch.Tensor, extra: dict):
+        """The verified step in the order ``graft`` made (the drafter's own nodes first, as it numbered
+        them: a draft model tells its nodes by index): the grafted tree, the path's nodes and every
+        per-node tensor (hidden (n, H), EAGLE's layer_hidden) mapped back; nodes a cut step left out
+        get zero rows, which no accepted path reads."""
+        if self.grafted_as is None or tree.size == 1:
+            return tree, path, hidden, extra
+        unled, order = self.grafted_as
+        index = torch.as_tensor(order[:tree.size], device=hidden.device)
+
+        def back(x):
+            if not isinstance(x, torch.Tensor) or x.shape[:1] != hidden.shape[:1]:
+                return x
+            out = x.new_zeros((unled.size, *x.shape[1:]))
+            out[index] = x
+            return out
+
+        return unled, [order[v] for v in path], back(hidden), {k: back(v) for k, v in extra.items()}
 
     def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:
+        tree, path, hidden, extra = self._inner_order(tree, path, hidden, extra)
         self.inner.accept(tree, path, next_token, hidden, **extra)
 
     def skip(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor, **extra) -> None:

@@ -1,7 +1,8 @@
 """decode/lookup.py PromptLookupGraft: prompt lookup grafted onto an EAGLE or Medusa tree.
 
 - ``graft`` on hand-made trees: the drafter's nodes keep their indices, a continuation follows
-  matching nodes and hangs new ones after them, siblings stay distinct;
+  matching nodes and hangs new ones after them, siblings stay distinct; the grafted tree leads
+  with the continuations (``lead_with``), so a step cut to its first nodes keeps them;
 - greedy identity with ``model.generate(do_sample=False)`` (tiny fp64 Llama) for EAGLE-1/3
   (dynamic tree and chain), Medusa and a draft model with a graft, grafted nodes were accepted,
   and the draft's own cache stayed a prefill of the accepted text;
@@ -16,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith.decode import sampling
-from draftsmith.decode.engine import generate
+from draftsmith.decode.engine import generate, truncate
 from draftsmith.decode.evaluate import run
-from draftsmith.decode.lookup import PromptLookupGraft, graft
+from draftsmith.decode.lookup import PromptLookupGraft, graft, lead_with
 from draftsmith.decode.build import load_preset, with_lookup
 from draftsmith.decode.proposers import DraftTree
 from draftsmith.decode.tree import path_to
@@ -44,18 +45,55 @@ def test_graft_keeps_the_drafters_nodes_and_appends_the_rest():
 
 
 class Spy:
-    """Records the size of the drafter's own tree each step (grafted nodes come after it)."""
+    """Records each step's trees: the drafter's own and the one grafted from it (the grafted
+    tree leads with the continuations: lead_with), to tell which accepted nodes were grafted."""
 
     def __init__(self, proposer):
-        self.sizes, inner = [], proposer.inner
-        propose = inner.propose
+        self.steps, grafted = [], proposer.grafted
 
-        def spy(*args):
-            tree = propose(*args)
-            self.sizes.append(tree.size)
-            return tree
+        def spy(tree, ids):
+            out = grafted(tree, ids)
+            self.steps.append((root_paths(tree), out))
+            return out
 
-        inner.propose = spy
+        proposer.grafted = spy
+
+    def grafted_accepted(self, paths) -> list[bool]:
+        """Per step: the accepted path holds a node the drafter had not proposed."""
+        assert len(paths) == len(self.steps)
+        return [any(root_path(tree, v) not in own for v in path) for (own, tree), path in zip(self.steps, paths)]
+
+
+def root_path(tree: DraftTree, node: int) -> tuple[int, ...]:
+    return tuple(tree.tokens[path_to(tree.parents, node)].tolist())
+
+
+def root_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {root_path(tree, v) for v in range(tree.size)}
+
+
+def test_the_continuations_lead_and_a_cut_keeps_them():
+    """lead_with moves the continuations' nodes to the front and keeps the tree (the same root
+    paths, topological): a step cut to its first w nodes verifies the continuation, not the
+    drafter's wider nodes."""
+    tokens, parents, nodes = graft([9, 5, 4, 6], [-1, 0, 0, 1], [[5, 6, 7, 8], [3]])
+    led_tokens, led_parents, order = lead_with(tokens, parents, nodes)
+    assert led_tokens == [9, 5, 6, 7, 8, 3, 4] and order == [0, 1, 3, 4, 5, 6, 2]
+    assert all(led_parents[v] < v for v in range(1, len(led_parents)))
+    old = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+    led = DraftTree(tokens=torch.tensor(led_tokens), parents=torch.tensor(led_parents))
+    assert root_paths(led) == root_paths(old)
+
+    class Siblings:  # a drafter proposing the root's top-3 alternatives (Medusa's head 0, say)
+        name, max_depth = "medusa", 1
+
+        def propose(self, root, hidden, ids):
+            return DraftTree(tokens=torch.tensor([root, 20, 21, 22]), parents=torch.tensor([-1, 0, 0, 0]))
+
+    proposer = PromptLookupGraft(Siblings(), num_tokens=3, max_ngram=2, min_ngram=2)
+    tree = proposer.propose(7, torch.zeros(4), [5, 6, 7, 8, 9, 10, 5, 6, 7])  # "6 7" matched: 8 9 10 follow
+    assert truncate(tree, 4).tokens.tolist() == [7, 8, 9, 10]
+    assert root_paths(tree) == {(7,), (7, 20), (7, 21), (7, 22), (7, 8), (7, 8, 9), (7, 8, 9, 10)}
 
 
 @pytest.mark.parametrize("case", ["eagle1-dynamic", "eagle3-dynamic", "eagle3-chain", "medusa", "draft-heuristic"])
@@ -75,8 +113,7 @@ def test_greedy_identity_and_grafted_nodes_are_accepted(graft_setup, case, monke
                                   pad_token_id=1)[0, ids.shape[1]:].tolist()
         assert out.tokens == want, (case, seed)
         assert out.proposer == f"{proposer.inner.name}+prompt_lookup"
-    assert len(spy.sizes) == len(recorder.paths)
-    grafted = [i for i, (p, n) in enumerate(zip(recorder.paths, spy.sizes)) if max(p) >= n]
+    grafted = [i for i, hit in enumerate(spy.grafted_accepted(recorder.paths)) if hit]
     assert grafted, "no grafted node was ever accepted: the test did not exercise the graft"
     assert any(len(recorder.paths[i]) - 1 > proposer.inner.max_depth for i in grafted)  # deeper than the drafter
     if case == "draft-heuristic":
@@ -106,7 +143,7 @@ def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
     assert pvalue > 1e-3, (pvalue, tv)
     bound = tv_bound(law, GRAFT_LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
-    assert any(max(p) >= n for p, n in zip(recorder.paths, spy.sizes))  # grafted nodes were accepted
+    assert any(spy.grafted_accepted(recorder.paths))  # grafted nodes were accepted
 
 
 @pytest.mark.slow
@@ -150,12 +187,12 @@ def test_a_draft_model_is_grafted_only_when_greedy(graft_setup, monkeypatch):
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]])
     generate(model, ids, proposer=proposer, max_new_tokens=20, temperature=0.7, generator=torch.Generator().manual_seed(0))
-    assert recorder.paths and all(max(p) < n for p, n in zip(recorder.paths, spy.sizes))
+    assert recorder.paths and not any(spy.grafted_accepted(recorder.paths))
     greedy = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", greedy)
-    spy.sizes.clear()
+    spy.steps.clear()
     generate(model, ids, proposer=proposer, max_new_tokens=20)
-    assert any(max(p) >= n for p, n in zip(greedy.paths, spy.sizes))  # grafted (and accepted) again
+    assert any(spy.grafted_accepted(greedy.paths))  # grafted (and accepted) again
 
 
 def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path):
