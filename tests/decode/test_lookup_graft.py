@@ -2,7 +2,9 @@
 
 - ``graft`` on hand-made trees: the drafter's nodes keep their indices, a continuation follows
   matching nodes and hangs new ones after them, siblings stay distinct; the grafted tree leads
-  with the continuations (``lead_with``), so a step cut to its first nodes keeps them;
+  with the continuations (``lead_with``), so a step cut to its first nodes keeps them; grafted rows
+  of one engine under a budget that cuts and skips stay their own greedy output (the draft model
+  told each step in its own numbering) and cut steps accept grafted nodes;
 - greedy identity with ``model.generate(do_sample=False)`` (tiny fp64 Llama) for EAGLE-1/3
   (dynamic tree and chain), Medusa and a draft model with a graft, grafted nodes were accepted,
   and the draft's own cache stayed a prefill of the accepted text;
@@ -49,14 +51,19 @@ class Spy:
     tree leads with the continuations: lead_with), to tell which accepted nodes were grafted."""
 
     def __init__(self, proposer):
-        self.steps, grafted = [], proposer.grafted
+        self.steps, self.verified = [], []  # verified: (nodes, an accepted node was grafted) per accept
+        grafted, accept = proposer.grafted, proposer.accept
 
         def spy(tree, ids):
             out = grafted(tree, ids)
             self.steps.append((root_paths(tree), out))
             return out
 
-        proposer.grafted = spy
+        def spied_accept(tree, path, *args, **kwargs):  # the tree as verified (a cut step: its first nodes)
+            self.verified.append((tree.size, any(root_path(tree, v) not in self.steps[-1][0] for v in path)))
+            return accept(tree, path, *args, **kwargs)
+
+        proposer.grafted, proposer.accept = spy, spied_accept
 
     def grafted_accepted(self, paths) -> list[bool]:
         """Per step: the accepted path holds a node the drafter had not proposed."""
@@ -118,6 +125,31 @@ def test_greedy_identity_and_grafted_nodes_are_accepted(graft_setup, case, monke
     assert any(len(recorder.paths[i]) - 1 > proposer.inner.max_depth for i in grafted)  # deeper than the drafter
     if case == "draft-heuristic":
         assert proposer.inner.checks == len(recorder.paths)
+
+
+def test_rows_cut_by_the_budget_keep_the_continuations_and_stay_lossless(graft_setup):
+    """Grafted rows in one engine under a budget that cuts every other step to 2 drafted nodes (and
+    skips the proposer on the others): each row is its own greedy output, the draft model's cache
+    follows (it is told each cut step in its own numbering), and cut steps accepted continuation
+    nodes (they lead the tree)."""
+    from draftsmith.decode.engine import Engine
+    from tests.decode.rows import Alternating
+    from tests.laws import reference
+
+    model, drafters = graft_setup
+    cases = ["eagle3-dynamic", "medusa", "draft-heuristic"]
+    proposers = [PromptLookupGraft(inner_proposer(model, drafters, case), num_tokens=6, max_ngram=3, min_ngram=1)
+                 for case in cases]
+    spies = [Spy(p) for p in proposers]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, 12, (14,), generator=g).tolist() for _ in cases]  # recurring n-grams
+    engine = Engine(model, max_num_seqs=3, budget=Alternating())
+    rows = [engine.add(prompt, proposer=p, max_new_tokens=30, eos_token_id=()) for prompt, p in zip(prompts, proposers)]
+    while engine.busy:
+        engine.step()
+    for case, prompt, row, spy in zip(cases, prompts, rows, spies):
+        assert row.out == reference(model, torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None), case
+        assert any(hit for size, hit in spy.verified if size <= 3), case  # a cut step accepted grafted nodes
 
 
 # an EAGLE-2 tree at T=1 (tree kwargs, logit scale, temperature, top_k, top_p)
