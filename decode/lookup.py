@@ -79,17 +79,10 @@ def lead_with(tokens: Sequence[int], parents: Sequence[int], first: Sequence[Seq
               ) -> tuple[list[int], list[int], list[int]]:
     """(tokens, parents, order): the same tree with the nodes of the paths ``first`` (lists of node
     indices, root-down, as ``graft`` returns them) moved to the front, in the order given, and every
-    other node after them in its old order: still topological (a path lists a node after its parent); order[i] is the
-    old index of new node i. A budget that verifies a tree's first w nodes (decode.engine.truncate)
-    then keeps these paths before the rest."""
-    order = [0]
-    placed = {0}
-    for path in first:
-        for v in path:
-            if v not in placed:
-                placed.add(v)
-                order.append(v)
-    order += [v for v in range(len(tokens)) if v not in placed]
+    other node after them in its old order: still topological (a path lists a node after its
+    parent); order[i] is the old index of new node i. A budget that verifies a tree's first w nodes
+    (decode.engine.truncate) then keeps these paths before the rest."""
+    order = list(dict.fromkeys([0, *(v for path in first for v in path), *range(len(tokens))]))
     where = {old: new for new, old in enumerate(order)}
     return [int(tokens[v]) for v in order], [-1] + [where[int(parents[v])] for v in order[1:]], order
 
@@ -290,7 +283,7 @@ class PromptLookupGraft(Proposer):
         them: a draft model tells its nodes by index): the grafted tree, the path's nodes and every
         per-node tensor (hidden (n, H), EAGLE's layer_hidden) mapped back; nodes a cut step left out
         get zero rows, which no accepted path reads."""
-        if self.grafted_as is None or tree.size == 1:
+        if self.grafted_as is None:
             return tree, path, hidden, extra
         unled, order = self.grafted_as
         index = torch.as_tensor(order[:tree.size], device=hidden.device)

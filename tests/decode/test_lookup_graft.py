@@ -47,28 +47,23 @@ def test_graft_keeps_the_drafters_nodes_and_appends_the_rest():
 
 
 class Spy:
-    """Records each step's trees: the drafter's own and the one grafted from it (the grafted
-    tree leads with the continuations: lead_with), to tell which accepted nodes were grafted."""
+    """Records every verified step of a grafted proposer: (nodes verified, nodes accepted past the
+    root, an accepted node was grafted: its root path is not in the drafter's own tree; the grafted
+    tree leads with the continuations, so indices do not tell)."""
 
     def __init__(self, proposer):
-        self.steps, self.verified = [], []  # verified: (nodes, an accepted node was grafted) per accept
+        self.verified, self.own = [], set()
         grafted, accept = proposer.grafted, proposer.accept
 
         def spy(tree, ids):
-            out = grafted(tree, ids)
-            self.steps.append((root_paths(tree), out))
-            return out
+            self.own = root_paths(tree)
+            return grafted(tree, ids)
 
         def spied_accept(tree, path, *args, **kwargs):  # the tree as verified (a cut step: its first nodes)
-            self.verified.append((tree.size, any(root_path(tree, v) not in self.steps[-1][0] for v in path)))
+            self.verified.append((tree.size, len(path) - 1, any(root_path(tree, v) not in self.own for v in path)))
             return accept(tree, path, *args, **kwargs)
 
         proposer.grafted, proposer.accept = spy, spied_accept
-
-    def grafted_accepted(self, paths) -> list[bool]:
-        """Per step: the accepted path holds a node the drafter had not proposed."""
-        assert len(paths) == len(self.steps)
-        return [any(root_path(tree, v) not in own for v in path) for (own, tree), path in zip(self.steps, paths)]
 
 
 def root_path(tree: DraftTree, node: int) -> tuple[int, ...]:
@@ -120,9 +115,10 @@ def test_greedy_identity_and_grafted_nodes_are_accepted(graft_setup, case, monke
                                   pad_token_id=1)[0, ids.shape[1]:].tolist()
         assert out.tokens == want, (case, seed)
         assert out.proposer == f"{proposer.inner.name}+prompt_lookup"
-    grafted = [i for i, hit in enumerate(spy.grafted_accepted(recorder.paths)) if hit]
+    assert len(spy.verified) == len(recorder.paths)
+    grafted = [accepted for _, accepted, hit in spy.verified if hit]
     assert grafted, "no grafted node was ever accepted: the test did not exercise the graft"
-    assert any(len(recorder.paths[i]) - 1 > proposer.inner.max_depth for i in grafted)  # deeper than the drafter
+    assert any(accepted > proposer.inner.max_depth for accepted in grafted)  # deeper than the drafter
     if case == "draft-heuristic":
         assert proposer.inner.checks == len(recorder.paths)
 
@@ -149,7 +145,7 @@ def test_rows_cut_by_the_budget_keep_the_continuations_and_stay_lossless(graft_s
         engine.step()
     for case, prompt, row, spy in zip(cases, prompts, rows, spies):
         assert row.out == reference(model, torch.tensor([prompt]), max_new_tokens=30, eos_token_id=None), case
-        assert any(hit for size, hit in spy.verified if size <= 3), case  # a cut step accepted grafted nodes
+        assert any(hit for size, _, hit in spy.verified if size <= 3), case  # a cut step accepted grafted nodes
 
 
 # an EAGLE-2 tree at T=1 (tree kwargs, logit scale, temperature, top_k, top_p)
@@ -161,12 +157,10 @@ GRAFT_LAW_SAMPLES = 3_000
 
 
 @pytest.mark.slow
-def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
+def test_sampling_law_with_a_graft_is_the_verifiers():
     tree_kwargs, scale, temperature, top_k, top_p = LAW_CASE
     model = law_model(scale)
     law = exact_law(model, temperature, top_k, top_p)
-    recorder = RecordingRule(sampling.ACCEPTANCE_RULES["rejection"])
-    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
     proposer = PromptLookupGraft(random_eagle_proposer(model, tree_kwargs), num_tokens=3, max_ngram=2, min_ngram=1)
     spy = Spy(proposer)
     counts = engine_counts(model, proposer, GRAFT_LAW_SAMPLES, temperature, top_k, top_p, seed=1)
@@ -175,7 +169,7 @@ def test_sampling_law_with_a_graft_is_the_verifiers(monkeypatch):
     assert pvalue > 1e-3, (pvalue, tv)
     bound = tv_bound(law, GRAFT_LAW_SAMPLES)
     assert tv < bound, (pvalue, tv, bound)
-    assert any(spy.grafted_accepted(recorder.paths))  # grafted nodes were accepted
+    assert any(hit for *_, hit in spy.verified)  # grafted nodes were accepted
 
 
 @pytest.mark.slow
@@ -219,12 +213,10 @@ def test_a_draft_model_is_grafted_only_when_greedy(graft_setup, monkeypatch):
     monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "rejection", recorder)
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]])
     generate(model, ids, proposer=proposer, max_new_tokens=20, temperature=0.7, generator=torch.Generator().manual_seed(0))
-    assert recorder.paths and not any(spy.grafted_accepted(recorder.paths))
-    greedy = RecordingRule(sampling.ACCEPTANCE_RULES["greedy"])
-    monkeypatch.setitem(sampling.ACCEPTANCE_RULES, "greedy", greedy)
-    spy.steps.clear()
+    assert recorder.paths and not any(hit for *_, hit in spy.verified)
+    spy.verified.clear()
     generate(model, ids, proposer=proposer, max_new_tokens=20)
-    assert any(spy.grafted_accepted(greedy.paths))  # grafted (and accepted) again
+    assert any(hit for *_, hit in spy.verified)  # grafted (and accepted) again
 
 
 def test_evaluate_refuses_a_sampled_draft_with_a_graft(tiny_model_dir, tmp_path):
