@@ -278,11 +278,12 @@ class EagleProposer(Proposer):
 
         Ties go to the shallower node, then the earlier created one: a child's score never
         exceeds its parent's (log-probs <= 0) and at equal score the parent is shallower, so
-        every kept node's parent is kept. Kept nodes are renumbered in (depth, creation) order,
-        which is topological.
+        every kept node's parent is kept, and kept before it. Kept nodes are numbered in that
+        rank order, which is topological and best-first: a cut to the first w nodes (the
+        load-aware budget's) is the tree EAGLE-2 would rerank with total_tokens = w.
         """
         ranked = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[: self.total_tokens - 1]
-        keep = [0] + sorted(ranked, key=lambda i: (dep[i], i))
+        keep = [0] + ranked
         new = {old: j for j, old in enumerate(keep)}
         parents = [-1] + [new[par[i]] for i in keep[1:]]  # KeyError here would mean an invalid tree
         tokens = torch.tensor([tok[i] for i in keep], dtype=torch.long, device=self.device)

@@ -35,9 +35,13 @@ def paths_to_parents(
     """Medusa's static tree ("medusa_choices") -> (parents, choices, depths), root included.
 
     Each path is a tuple of top-k choice indices: ``(i,)`` is the depth-1 node holding head 1's
-    i-th candidate, ``(i, j)`` its child holding head 2's j-th candidate, and so on. Nodes are
-    sorted by (depth, path), as Medusa sorts them, so parents come before children and
-    siblings are in choice order; node 0 is the root (parent -1, choice -1, depth 0).
+    i-th candidate, ``(i, j)`` its child holding head 2's j-th candidate, and so on. Nodes keep
+    the order the paths are listed in, except that a path listed before one of its prefixes
+    comes just after it (parents before children); node 0 is the root (parent -1, choice -1,
+    depth 0). The order is what a cut keeps: the load-aware budget verifies a tree's first w
+    nodes (decode.engine.truncate), so list paths best-first, as Medusa's mc_sim lists are
+    (each entry is the next node by simulated acceptance gain). Medusa sorts its nodes by
+    (depth, path), which no cut of a wide tree survives: its first w nodes are all depth 1.
 
     Raises a one-line DraftsmithError naming the bad path when a path is empty, has a negative index, is
     duplicated, or has a proper prefix that is not itself a path.
@@ -57,7 +61,9 @@ def paths_to_parents(
             if p[:d] not in seen:
                 raise DraftsmithError(f"tree path {p} has no parent: its prefix {p[:d]} is not a path")
 
-    ordered = sorted(norm, key=lambda p: (len(p), p))
+    listed = {p: i for i, p in enumerate(norm)}
+    after = {p: max(listed[p[:d]] for d in range(1, len(p) + 1)) for p in norm}  # its last-listed prefix
+    ordered = sorted(norm, key=lambda p: (after[p], len(p)))  # a prefix: after <= the path's, shorter
     index = {p: i + 1 for i, p in enumerate(ordered)}  # path -> node index (root is 0)
     parents = [-1] + [index[p[:-1]] if len(p) > 1 else 0 for p in ordered]
     choices = [-1] + [p[-1] for p in ordered]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftsmith.decode import sampling
-from draftsmith.decode.engine import generate
+from draftsmith.decode.engine import generate, truncate
 from draftsmith.decode.proposers import make_proposer
 from tests.decode.rows import check_rows_draft_as_alone
 from tests.drafters import fitted_drafter, random_eagle_proposer
@@ -156,6 +156,40 @@ def test_dynamic_tree_with_top1_is_the_chain(greedy_setup):
     b = generate(model, prompt(8, 12), proposer=dyn, max_new_tokens=24, eos_token_id=())
     assert a.tokens == b.tokens and [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
     assert all(x[1].tokens.tolist() == y[1].tokens.tolist() for x, y in zip(chain.calls, dyn.calls))
+
+
+def test_a_cut_of_a_dynamic_tree_is_the_tree_reranked_that_small(greedy_setup):
+    # The load-aware budget verifies a tree's first w nodes: EAGLE-2's nodes are numbered best
+    # first, so that cut is the tree EAGLE-2 itself keeps with total_tokens = w.
+    model, drafters = greedy_setup
+    # a pool drafted 3 deep, 2 wide: node -> (parent, cumulative log-prob); a confident chain 1-3-7
+    pool = {1: (0, -0.1), 2: (0, -1.5), 3: (1, -0.2), 4: (1, -2.0), 5: (2, -1.6), 6: (2, -3.0),
+            7: (3, -0.25), 8: (3, -2.2)}
+    tok, par, dep, score = [50], [-1], [0], [0.0]
+    for node, (parent, logp) in pool.items():
+        tok, par, dep, score = tok + [50 + node], par + [parent], dep + [dep[parent] + 1], score + [logp]
+    proposer = make_proposer("eagle", drafter=drafters["eagle3"], embed_tokens=model.get_input_embeddings(),
+                             lm_head=model.lm_head, depth=3, top_k=2, total_tokens=9)
+    whole = proposer._rerank(tok, par, dep, score)
+    assert whole.tokens.tolist() == [50, 51, 53, 57, 52, 55, 54, 58, 56]  # best first
+    for w in range(1, 10):
+        proposer.total_tokens = w
+        small, cut = proposer._rerank(tok, par, dep, score), truncate(whole, w)
+        assert cut.tokens.tolist() == small.tokens.tolist() and cut.parents.tolist() == small.parents.tolist()
+    # the same on trees the drafter builds (the first step of each prompt: the same prefix and state)
+    for w in (3, 4):
+        wide, narrow = (RecordingProposer(make_proposer("eagle", drafter=drafters["eagle3"],
+                                                        embed_tokens=model.get_input_embeddings(),
+                                                        lm_head=model.lm_head, depth=4, top_k=3, total_tokens=n))
+                        for n in (10, w))
+        for seed in range(10, 16):
+            for proposer in (wide, narrow):
+                generate(model, prompt(seed, 12), proposer=proposer, max_new_tokens=4, eos_token_id=())
+        same = [(w_, n) for (ids, w_), (ids_n, n) in zip(wide.calls, narrow.calls) if ids == ids_n]  # same prefix
+        assert len(same) >= 6
+        for tree, small in same:
+            cut = truncate(tree, w)
+            assert cut.tokens.tolist() == small.tokens.tolist() and cut.parents.tolist() == small.parents.tolist()
 
 
 @pytest.mark.parametrize("forward", ["fast", "hf"])

@@ -16,12 +16,13 @@ from draftsmith.decode.tree import (
 )
 from tests.tiny import tiny_llama
 
-# A small Medusa tree, listed out of order on purpose. Sorted by (depth, path) the nodes are
-# 1:(0,) 2:(1,) 3:(0,0) 4:(0,1) 5:(1,0) 6:(0,0,0).
+# A small Medusa tree, two paths listed before their prefix (0,) on purpose. The nodes keep the
+# listed order, each of those two moved just after (0,):
+# 1:(1,) 2:(0,) 3:(0,0) 4:(0,0,0) 5:(1,0) 6:(0,1).
 MEDUSA_PATHS = [(0, 0), (1,), (0, 0, 0), (0,), (1, 0), (0, 1)]
-MEDUSA_PARENTS = [-1, 0, 0, 1, 1, 2, 3]
-MEDUSA_CHOICES = [-1, 0, 1, 0, 1, 0, 0]
-MEDUSA_DEPTHS = [0, 1, 1, 2, 2, 2, 3]
+MEDUSA_PARENTS = [-1, 0, 0, 2, 3, 1, 2]
+MEDUSA_CHOICES = [-1, 1, 0, 0, 0, 0, 1]
+MEDUSA_DEPTHS = [0, 1, 1, 2, 3, 2, 2]
 
 
 def random_parents(n: int, seed: int) -> list[int]:
@@ -36,6 +37,31 @@ def test_paths_to_parents_medusa_tree():
     assert depths == MEDUSA_DEPTHS
     # Medusa's own format is a list of lists.
     assert paths_to_parents([list(p) for p in MEDUSA_PATHS]) == (parents, choices, depths)
+
+
+def test_paths_keep_their_listed_order_so_every_cut_is_the_best_listed_subtree():
+    # Medusa's mc_sim lists (conf/decode/medusa-default.yaml) name nodes best-first; a cut to the
+    # first w nodes (the load-aware budget's) must keep the first w - 1 listed paths, and a listing
+    # in any order must still give a tree whose every cut is a tree.
+    best_first = [(0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (3,)]
+    parents, choices, depths = paths_to_parents(best_first)
+    back = {}  # node -> its path, rebuilt from parents and choices
+    for node in range(1, len(parents)):
+        back[node] = back.get(parents[node], ()) + (choices[node],)
+    assert [back[n] for n in range(1, len(parents))] == best_first
+    assert depths == [0, 1, 2, 1, 2, 1, 3, 2, 1]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        shuffled = [best_first[i] for i in torch.randperm(len(best_first), generator=g).tolist()]
+        parents, choices, _ = paths_to_parents(shuffled)
+        assert all(0 <= parents[n] < n for n in range(1, len(parents)))  # every prefix cut is a tree
+        back = {}
+        for node in range(1, len(parents)):
+            back[node] = back.get(parents[node], ()) + (choices[node],)
+        order = [back[n] for n in range(1, len(parents))]
+        # the listed order, a path listed before one of its prefixes moved to just after it
+        anchor = {p: max(shuffled.index(p[:d]) for d in range(1, len(p) + 1)) for p in shuffled}
+        assert order == sorted(shuffled, key=lambda p: (anchor[p], len(p)))
 
 
 @pytest.mark.parametrize(
@@ -97,8 +123,8 @@ def test_verify_inputs_values(dtype):
     assert (mask[0, 0, :, :cache_len] == 0).all()  # the cached prefix is always visible
     tree_part = mask[0, 0, :, cache_len:]  # (n, n)
     assert torch.equal(tree_part == 0, ancestor_mask(parents))
-    # Node 4 = (0, 1) sees root, node 1 and itself only.
-    assert (tree_part[4] == 0).nonzero().flatten().tolist() == [0, 1, 4]
+    # Node 6 = (0, 1) sees root, node 2 = (0,) and itself only.
+    assert (tree_part[6] == 0).nonzero().flatten().tolist() == [0, 2, 6]
 
 
 def test_verify_inputs_static_kv_length_and_buffers():
