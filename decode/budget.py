@@ -18,9 +18,11 @@
                 of B * W tokens on an empty cache: every row reads its own cache; one shared
                 correction would keep a wrong ratio of wide to plain steps for ever);
         c_b     the row's own work when it drafts: its proposal, its acceptance rule and its
-                proposer's update (a running mean of its own; a row that has not drafted yet takes
-                the running mean of the rows with its kind of proposer: a new row is not free to
-                try, or every row joining a full batch widens a whole step to try its drafts).
+                proposer's update (a running mean of its own over the drafting steps that follow a
+                drafting step: the first after the prompt or a plain step also catches up on the
+                tokens since, which an EAGLE drafter reads once; a row that has not drafted yet
+                takes the running mean of the rows with its kind of proposer: a new row is not free
+                to try, or every row joining a full batch widens a whole step to try its drafts).
 
       W = 1 with no row drafting is plain continuous batching: the proposers do not run and
       nothing is paid beyond a plain step. At low load drafting is nearly free (T barely grows
@@ -70,6 +72,7 @@ class RowStats:
     steps: dict[int, float] = field(default_factory=dict)  # width -> steps that tell (the tree had >= width nodes)
     work_s: float | None = None  # running mean of its own work on a drafting step (propose, accept, update)
     idle: int = 0  # plain steps since it last drafted (its history ages: see expected)
+    streak: int = 0  # drafting steps in a row, up to this one
     memo: dict = field(default_factory=dict, repr=False)  # width -> expected(width), until the next record
 
     def record(self, path: list[int], size: int, cut: bool, widths) -> None:
@@ -77,6 +80,7 @@ class RowStats:
         `cut` when the budget may have cut it (then wider steps are not told)."""
         self.memo.clear()
         self.idle = 0
+        self.streak += 1
         for width in widths:
             if width > size and cut:
                 break
@@ -92,6 +96,7 @@ class RowStats:
         """A step it did not draft in: its history is one step older."""
         self.memo.clear()
         self.idle += 1
+        self.streak = 0
 
     def expected(self, width: int, prior: float, weight: float, half_life: float = math.inf) -> float:
         """E[tokens emitted] verifying the first `width` nodes of its tree (1 = the root alone): its
@@ -122,24 +127,30 @@ class StepCost:
         self.points = dict(points or {})
         self.scales: dict[tuple[int, int], float] = {}  # (width, rows) -> observed / calibrated
 
-    def calibrate(self, forward, cache_rows: int, max_tokens: int, repeats: int = 3) -> "StepCost":
-        """Time one row's forward of n = 1, 2, 4, ... max_tokens tokens on an empty cache row."""
+    def calibrate(self, forward, cache_rows: int, max_tokens: int, repeats: int = 5) -> "StepCost":
+        """Time one row's forward of n = 1, 2, 4, ... max_tokens tokens on an empty cache row: the
+        median of `repeats` rounds, each timing every n once (a machine whose speed drifts moves
+        every n alike, not the last ones measured), made non-decreasing in n (a wider step is never
+        taken for cheaper than a narrower one because of the noise in one measurement: a width
+        priced too high is never tried, so the steps could not correct it)."""
         device = forward.cache.keys.device
-        n = 1
-        while n <= max_tokens:
-            tokens = torch.zeros(1, n, dtype=torch.long, device=device)
-            positions = torch.arange(n, device=device)[None]
-            allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
-            rows = torch.tensor([cache_rows - 1], device=device)
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
+        sizes = [1 << i for i in range(max(max_tokens, 1).bit_length()) if 1 << i <= max_tokens]
+        rows = torch.tensor([cache_rows - 1], device=device)
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for round_ in range(repeats + 1):  # the first round warms up
+            for n in sizes:
+                tokens = torch.zeros(1, n, dtype=torch.long, device=device)
+                positions = torch.arange(n, device=device)[None]
+                allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
                 t0 = time.perf_counter()
                 forward(tokens, positions, positions, allowed, rows, n)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-            self.points[n] = sorted(times[1:])[len(times[1:]) // 2]
-            n *= 2
+                if round_:
+                    times[n].append(time.perf_counter() - t0)
+        floor = 0.0
+        for n in sizes:
+            floor = self.points[n] = max(floor, sorted(times[n])[len(times[n]) // 2])
         return self
 
     def scale(self, width: int, rows: int) -> float:
@@ -235,6 +246,9 @@ class AdaptiveBudget:
                 stats.kept_plain()  # a plain step says nothing about the drafts: the history ages
                 continue
             stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
+            if stats.streak == 1:  # its first drafting step since its prompt or a plain step: no sample
+                continue  # of its work (an EAGLE drafter reads the pairs of the prompt, or of the plain
+                #           steps, first: paid once, then each step reads the pairs it accepted)
             stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
             kind = proposer_name(request)
             self.work[kind] = spent if kind not in self.work else 0.9 * self.work[kind] + 0.1 * spent

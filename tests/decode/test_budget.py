@@ -106,6 +106,65 @@ def test_a_new_row_is_not_free_to_try(propose_s, drafts):
     assert (width > 1) == drafts and any(draft) == drafts, (width, draft)
 
 
+def test_the_catch_up_of_a_first_drafting_step_is_not_taken_for_its_work():
+    """An EAGLE row's first drafting step reads its whole prompt through the drafter (the first
+    after plain steps, their tokens): 50 ms once, beside a 10 ms step. Taken for its work per step
+    it would never draft again (tau 1.00 on the AVX2 box); the steps that follow a drafting step
+    tell its work, and where that is large the row does stop."""
+    chain = DraftTree(tokens=torch.zeros(8, dtype=torch.long), parents=torch.arange(-1, 7))
+    for steady, drafts in [(0.0005, True), (0.05, False)]:
+        policy = AdaptiveBudget(bandwidth_bound(knee=16))
+        row = Row()
+        policy.observe([row], [chain], [[0, 1, 2, 3]], 8, 0.01, [0.05])  # the first: the prompt read
+        assert policy.plan([row])[1] == [True]
+        for _ in range(3):
+            policy.observe([row], [chain], [[0, 1, 2, 3]], 8, 0.01, [steady])
+        assert policy.plan([row])[1] == [drafts], steady
+    policy.observe([row], [ROOT], [[0]], 1, None, [0.0])  # a plain step, then a catch-up of 1 s:
+    policy.observe([row], [chain], [[0, 1, 2, 3]], 8, 0.01, [1.0])
+    assert policy.stats[row].work_s == pytest.approx(0.05)  # no sample
+
+
+class Clock:
+    """time.perf_counter for StepCost.calibrate: each forward of n tokens advances it by cost(n, call)."""
+
+    def __init__(self, cost):
+        self.now, self.calls, self.cost = 0.0, 0, cost
+
+    def perf_counter(self):
+        return self.now
+
+    def forward(self, tokens, *args):
+        self.now += self.cost(tokens.shape[1], self.calls)
+        self.calls += 1
+
+
+def test_the_calibration_is_robust_to_drift_and_noise(monkeypatch):
+    """The one-row step cost T(n) is measured in rounds over every n (a machine slowing down moves
+    every n alike) and made non-decreasing (a 4-token step measured cheaper than a 2-token one
+    would price the 2-token step too high for ever: a width never chosen is never corrected)."""
+    import draftsmith.decode.budget as budget
+
+    class Forward:  # what calibrate uses of the engine's forward: its cache's device, and a call
+        def __init__(self, clock):
+            self.clock, self.cache = clock, type("Cache", (), {"keys": torch.zeros(1)})
+
+        def __call__(self, tokens, *args):
+            self.clock.forward(tokens)
+
+    # 1 ms + 0.1 ms a token, on a machine 3% slower at every call
+    clock = Clock(lambda n, call: (1e-3 + 1e-4 * n) * 1.03 ** call)
+    monkeypatch.setattr(budget, "time", clock)
+    cost = StepCost().calibrate(Forward(clock), 1, 32)
+    assert sorted(cost.points) == [1, 2, 4, 8, 16, 32]
+    ratios = [cost.points[n] / (1e-3 + 1e-4 * n) for n in cost.points]
+    assert max(ratios) / min(ratios) < 1.2, ratios  # measured one n after another: 1.03 ** 30 = 2.4
+    noisy = Clock(lambda n, call: {2: 3e-3, 4: 2e-3}.get(n, 1e-3 * n))  # 4 tokens measured below 2
+    monkeypatch.setattr(budget, "time", noisy)
+    cost = StepCost().calibrate(Forward(noisy), 1, 8)
+    assert [cost.points[n] for n in (1, 2, 4, 8)] == pytest.approx([1e-3, 3e-3, 3e-3, 8e-3])
+
+
 def test_a_row_that_never_accepts_stops_drafting():
     policy = AdaptiveBudget(bandwidth_bound(knee=16))
     good, bad = Row(), Row()
