@@ -128,6 +128,9 @@ def _medusa_from(drafter, verifier, d, seed):
     if d.get("draft_quant", "none") != "none":  # an eagle-* preset's key: refused, not ignored
         raise DraftsmithError(f"decode.draft_quant={d.draft_quant}: int8 drafting is for EAGLE drafters and draft "
                               f"models; Medusa heads draft through the verifier's lm_head: set decode.draft_quant=none")
+    if d.get("draft_weights", "auto") == "packed":  # auto: nothing of the heads' own to pack, as plain
+        raise DraftsmithError("decode.draft_weights=packed: prepacked drafting is for EAGLE drafters; Medusa heads "
+                              "draft through the verifier's lm_head: set decode.draft_weights=auto")
     return make_proposer("medusa", heads=drafter.module, paths=[tuple(p) for p in d.paths], lm_head=verifier.lm_head)
 
 
@@ -139,7 +142,8 @@ def proposer_name(drafter) -> str:
 
 def _eagle_from(drafter, verifier, d, seed):
     return make_proposer(proposer_name(drafter), drafter=drafter.module, embed_tokens=verifier.embed_tokens,
-                         lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"), **eagle_tree(d))
+                         lm_head=verifier.lm_head, quant=d.get("draft_quant", "none"),
+                         weights=d.get("draft_weights", "plain"), **eagle_tree(d))
 
 
 def _draft_from(drafter, verifier, d, seed):

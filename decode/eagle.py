@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache
 
 from draftsmith.decode.cache import BufferedLayer, new_cache
 from draftsmith.decode.proposers import CATCH_UP, DraftTree, Proposer, _is_chain, drive_together
-from draftsmith.decode.quant import QUANTS, int8_copy
+from draftsmith.decode.quant import QUANTS, drafting_copy
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
 from draftsmith.models.errors import DraftsmithError, choose
@@ -62,16 +62,19 @@ class EagleProposer(Proposer):
     verifier's (shared, frozen). Give either ``paths`` (Medusa format, e.g. a chain
     [[0], [0, 0], ...]) or ``depth``, ``top_k`` and ``total_tokens`` (EAGLE-2: expand the top_k
     nodes per depth, up to depth `depth`, keep `total_tokens` nodes including the root).
-    ``quant``: "none" or "int8" (an int8 copy of the drafter drafts; the one given is not changed).
+    ``quant``: "none" or "int8" (an int8 copy of the drafter drafts; the one given is not changed);
+    ``weights``: "plain", "packed" or "auto" (a copy on oneDNN-prepacked weights drafts: packed, or
+    auto where the verifier's fast forward packs this dtype; decode.quant.drafting_copy).
     """
 
     name = "eagle"
 
     def __init__(self, drafter: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module | None,
                  paths: Sequence[Sequence[int]] | None = None, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None, quant: str = "none"):
+                 top_k: int | None = None, total_tokens: int | None = None, quant: str = "none",
+                 weights: str = "plain"):
         self.quant = choose(QUANTS, quant, "decode.draft_quant")
-        self.drafter = int8_copy(drafter.eval()) if self.quant == "int8" else drafter.eval()
+        self.drafter = drafting_copy(drafter.eval(), self.quant, weights)
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         cfg = drafter.config

@@ -48,13 +48,14 @@ class PEagleProposer(EagleProposer):
 
     def __init__(self, drafter: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module | None,
                  paths: Sequence[Sequence[int]] | None = None, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None, quant: str = "none"):
+                 top_k: int | None = None, total_tokens: int | None = None, quant: str = "none",
+                 weights: str = "plain"):
         k = getattr(drafter.config, "parallel_tokens", 0)
         if not k:
             raise DraftsmithError("the peagle proposer needs a P-EAGLE drafter (method=peagle: parallel_tokens >= 2); "
                                   "this one drafts sequentially: use the eagle proposer")
         super().__init__(drafter, embed_tokens, lm_head, paths=paths, depth=depth, top_k=top_k,
-                         total_tokens=total_tokens, quant=quant)
+                         total_tokens=total_tokens, quant=quant, weights=weights)
         if self.depth > k:
             raise DraftsmithError(f"the decode tree is {self.depth} deep but this P-EAGLE drafter proposes {k} tokens "
                                   f"per forward (the depths it was trained for): use a tree of depth <= {k} "

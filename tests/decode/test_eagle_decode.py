@@ -8,6 +8,8 @@
   and a deliberately broken rule fails it with an EAGLE-2 tree;
 - the engine asks the verifier for extra layers only when a proposer needs them.
 """
+import copy
+
 import pytest
 import torch
 
@@ -87,6 +89,30 @@ def test_greedy_identity_with_an_int8_drafter(greedy_setup, variant, tree):
     with pytest.raises(ValueError, match="decode.draft_quant='int4'.*valid: int8, none"):
         make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
                       lm_head=model.lm_head, quant="int4", **TREES[tree])
+
+
+@pytest.mark.parametrize("variant, tree", [("eagle1", "static"), ("eagle3", "dynamic")])
+def test_greedy_identity_with_a_packed_drafter(greedy_setup, variant, tree):
+    """weights="packed": an fp32 copy of the drafter on oneDNN-prepacked weights drafts (what
+    decode.draft_weights=auto gives an fp32 drafter on an AVX2 CPU); the output is the verifier's."""
+    from draftsmith.decode.quant import PackedLinear
+    from draftsmith.models.verifier import cpu_prepacks
+
+    if not cpu_prepacks(torch.float32):
+        pytest.skip("this CPU's oneDNN has no prepacked fp32 linear")
+    model, drafters = greedy_setup
+    drafter = copy.deepcopy(drafters[variant]).float()  # the fp64 verifier's states are cast to it
+    proposer = make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
+                             lm_head=model.lm_head, weights="packed", **TREES[tree])
+    assert any(isinstance(m, PackedLinear) for m in proposer.drafter.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in proposer.drafter.modules())
+    steps = []
+    for seed, n in [(1, 40), (2, 40)]:
+        ids = prompt(seed, length=10 + seed)
+        out = generate(model, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
+        assert out.tokens == reference(model, ids, n, eos_token_id=None), (variant, tree, seed)
+        steps += out.steps
+    assert sum(s.emitted for s in steps) / len(steps) > 1.5 and any(s.accepted == 0 for s in steps)
 
 
 def test_greedy_identity_with_eos(greedy_setup):

@@ -73,6 +73,42 @@ def test_int8_copy_swaps_linears_and_leaves_the_original():
     assert quant.PACKED_K == 32
 
 
+def test_drafting_copy_packs_where_the_verifier_would_and_refuses_what_it_cannot():
+    """decode.draft_weights: packed = a copy on oneDNN-prepacked weights (the same products to fp32
+    rounding, the original left alone, embeddings shared); auto = packed where engine.weights=auto
+    packs the verifier's dtype; plain = the module itself; an fp64 drafter cannot pack; int8 and
+    packed together are refused, as is an unknown value."""
+    from draftsmith.decode.forward import packs
+    from draftsmith.decode.quant import PackedLinear, drafting_copy
+    from draftsmith.models.errors import DraftsmithError
+    from draftsmith.models.verifier import cpu_prepacks
+
+    decoder = tiny_llama(dtype=torch.float32).get_decoder()
+    assert drafting_copy(decoder, "none", "plain") is decoder
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    if cpu_prepacks(torch.float32):
+        before = {k: v.clone() for k, v in decoder.state_dict().items()}
+        packed = drafting_copy(decoder, "none", "packed")
+        assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 14
+        assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+        assert packed.embed_tokens.weight is decoder.embed_tokens.weight
+        with torch.no_grad():
+            h, ref = packed(input_ids=ids).last_hidden_state, decoder(input_ids=ids).last_hidden_state
+        assert float((h - ref).abs().max() / ref.abs().max()) < 1e-5
+        assert all(torch.equal(v, decoder.state_dict()[k]) for k, v in before.items())
+        auto = drafting_copy(decoder, "none", "auto")
+        assert (auto is not decoder) == packs(decoder, "auto")
+    fp64 = tiny_llama().get_decoder()
+    assert drafting_copy(fp64, "none", "auto") is fp64
+    with pytest.raises(DraftsmithError, match="decode.draft_weights=packed: .*float64.*auto or plain"):
+        drafting_copy(fp64, "none", "packed")
+    with pytest.raises(DraftsmithError, match="draft_quant=int8 and decode.draft_weights=packed"):
+        drafting_copy(decoder, "int8", "packed")
+    assert any(isinstance(m, Int8Linear) for m in drafting_copy(decoder, "int8", "auto").modules())
+    with pytest.raises(ValueError, match="decode.draft_weights='fast'.*valid: auto, packed, plain"):
+        drafting_copy(decoder, "none", "fast")
+
+
 def test_a_medusa_drafter_refuses_int8_rather_than_ignoring_it(tmp_path):
     """Medusa heads draft through the verifier's lm_head: decode.draft_quant=int8 (a key the
     eagle-* presets carry, which Medusa can also use) is refused in one line, not ignored."""
@@ -93,3 +129,6 @@ def test_a_medusa_drafter_refuses_int8_rather_than_ignoring_it(tmp_path):
     with pytest.raises(DraftsmithError, match="decode.draft_quant=int8: .*set decode.draft_quant=none") as info:
         proposer_for(drafter, target, OmegaConf.create({**preset, "draft_quant": "int8"}))
     assert "\n" not in str(info.value)
+    assert proposer_for(drafter, target, OmegaConf.create({**preset, "draft_weights": "auto"})).name == "medusa"
+    with pytest.raises(DraftsmithError, match="decode.draft_weights=packed: .*set decode.draft_weights=auto"):
+        proposer_for(drafter, target, OmegaConf.create({**preset, "draft_weights": "packed"}))
