@@ -20,9 +20,10 @@
         c_b     the row's own work when it drafts: its proposal, its acceptance rule and its
                 proposer's update (a running mean of its own over the drafting steps that follow a
                 drafting step: the first after the prompt or a plain step also catches up on the
-                tokens since, which an EAGLE drafter reads once; a row that has not drafted yet
-                takes the running mean of the rows with its kind of proposer: a new row is not free
-                to try, or every row joining a full batch widens a whole step to try its drafts).
+                tokens since, which an EAGLE drafter reads once; a row without such a step yet
+                takes its kind's mean, and a row that has not drafted at all what its kind's first
+                drafting steps cost: a new row is not free to try, or every row joining a full
+                batch widens a whole step to try its drafts).
 
       W = 1 with no row drafting is plain continuous batching: the proposers do not run and
       nothing is paid beyond a plain step. At low load drafting is nearly free (T barely grows
@@ -198,7 +199,8 @@ class AdaptiveBudget:
         self.stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts: Counter = Counter()  # chosen width -> steps
         self.drafting: Counter = Counter()  # rows that drafted / did not, over all steps
-        self.work: dict = {}  # proposer name -> running mean of a row's work on a drafting step (c_b of new rows)
+        self.work: dict = {}  # proposer name -> running mean of a row's work on a drafting step after one
+        self.trial: dict = {}  # proposer name -> running mean of a row's first drafting step (c_b of new rows)
 
     def _row(self, request) -> RowStats:
         stats = self.stats.get(request)
@@ -206,11 +208,22 @@ class AdaptiveBudget:
             stats = self.stats[request] = RowStats()
         return stats
 
+    def _work(self, request, stats: RowStats) -> float:
+        """c_b: the row's own work on a drafting step; a row that has drafted but has no such sample
+        yet (it drafted once, or only after plain steps) takes its kind's, a new row what its kind's
+        first drafting steps cost (trying: it reads its prompt through an EAGLE drafter first)."""
+        if stats.work_s is not None:
+            return stats.work_s
+        kind = proposer_name(request)
+        if stats.steps:
+            return self.work.get(kind, 0.0)
+        return self.trial.get(kind, self.work.get(kind, 0.0))
+
     def plan(self, rows) -> tuple[int, list[bool]]:
         """(step width W, which rows draft) maximising expected tokens per second."""
         B = len(rows)
         stats = [self._row(r) for r in rows]
-        works = [s.work_s if s.work_s is not None else self.work.get(proposer_name(r), 0.0) for r, s in zip(rows, stats)]
+        works = [self._work(r, s) for r, s in zip(rows, stats)]
         best = (sum(1.0 for _ in rows) / self.cost(B), 1, [False] * B)  # plain decoding
         for width in self.widths[1:]:
             gains = [(s.expected(width, self.prior, self.weight, self.half_life) - 1.0, work)
@@ -246,11 +259,13 @@ class AdaptiveBudget:
                 stats.kept_plain()  # a plain step says nothing about the drafts: the history ages
                 continue
             stats.record(path, tree.size, cut=tree.size >= width, widths=self.widths[1:])
-            if stats.streak == 1:  # its first drafting step since its prompt or a plain step: no sample
-                continue  # of its work (an EAGLE drafter reads the pairs of the prompt, or of the plain
-                #           steps, first: paid once, then each step reads the pairs it accepted)
-            stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
             kind = proposer_name(request)
+            if stats.streak == 1:  # its first drafting step since its prompt or a plain step: what trying
+                # costs, not its work a step (an EAGLE drafter reads the pairs of the prompt, or of the
+                # plain steps, first: paid once, then each step reads the pairs it accepted)
+                self.trial[kind] = spent if kind not in self.trial else 0.9 * self.trial[kind] + 0.1 * spent
+                continue
+            stats.work_s = spent if stats.work_s is None else 0.8 * stats.work_s + 0.2 * spent
             self.work[kind] = spent if kind not in self.work else 0.9 * self.work[kind] + 0.1 * spent
 
 

@@ -110,7 +110,8 @@ def test_the_catch_up_of_a_first_drafting_step_is_not_taken_for_its_work():
     """An EAGLE row's first drafting step reads its whole prompt through the drafter (the first
     after plain steps, their tokens): 50 ms once, beside a 10 ms step. Taken for its work per step
     it would never draft again (tau 1.00 on the AVX2 box); the steps that follow a drafting step
-    tell its work, and where that is large the row does stop."""
+    tell its work, and where that is large the row does stop. A new row is charged what such a
+    first step costs (trying is not free)."""
     chain = DraftTree(tokens=torch.zeros(8, dtype=torch.long), parents=torch.arange(-1, 7))
     for steady, drafts in [(0.0005, True), (0.05, False)]:
         policy = AdaptiveBudget(bandwidth_bound(knee=16))
@@ -120,6 +121,7 @@ def test_the_catch_up_of_a_first_drafting_step_is_not_taken_for_its_work():
         for _ in range(3):
             policy.observe([row], [chain], [[0, 1, 2, 3]], 8, 0.01, [steady])
         assert policy.plan([row])[1] == [drafts], steady
+        assert policy.plan([Row()])[1] == [False]  # a new row is charged what trying costs: 50 ms
     policy.observe([row], [ROOT], [[0]], 1, None, [0.0])  # a plain step, then a catch-up of 1 s:
     policy.observe([row], [chain], [[0, 1, 2, 3]], 8, 0.01, [1.0])
     assert policy.stats[row].work_s == pytest.approx(0.05)  # no sample
