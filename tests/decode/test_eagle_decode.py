@@ -64,20 +64,29 @@ def test_greedy_identity(greedy_setup, variant, tree, monkeypatch):
         assert max(s.num_nodes for s in steps) == DYNAMIC["total_tokens"]
 
 
+@pytest.mark.parametrize("kind", ["int8", "packed"])
 @pytest.mark.parametrize("variant, tree", [("eagle1", "static"), ("eagle3", "dynamic")])
-def test_greedy_identity_with_an_int8_drafter(greedy_setup, variant, tree):
+def test_greedy_identity_with_an_int8_or_packed_drafter(greedy_setup, variant, tree, kind):
     """quant="int8": an int8 copy of the drafter drafts (its own lm_head too: eagle3 here has a
-    64-token one), the drafter handed in keeps its weights, the output is still the verifier's."""
-    from draftsmith.decode.quant import Int8Linear
+    64-token one); weights="packed": an fp32 copy on oneDNN-prepacked weights (what
+    decode.draft_weights=auto gives an fp32 drafter on an AVX2 CPU). The drafter handed in keeps its
+    weights, the output is still the verifier's."""
+    from draftsmith.decode.quant import Int8Linear, PackedLinear
+    from draftsmith.models.verifier import cpu_prepacks
 
     model, drafters = greedy_setup
     drafter = drafters[variant]
+    if kind == "packed":
+        if not cpu_prepacks(torch.float32):
+            pytest.skip("this CPU's oneDNN has no prepacked fp32 linear")
+        drafter = copy.deepcopy(drafter).float()  # the fp64 verifier's states are cast to it
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     proposer = make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
-                             lm_head=model.lm_head, quant="int8", **TREES[tree])
-    assert any(isinstance(m, Int8Linear) for m in proposer.drafter.modules())
+                             lm_head=model.lm_head, **({"quant": "int8"} if kind == "int8" else {"weights": "packed"}),
+                             **TREES[tree])
+    assert any(isinstance(m, Int8Linear if kind == "int8" else PackedLinear) for m in proposer.drafter.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in proposer.drafter.modules())
-    assert isinstance(model.lm_head, torch.nn.Linear)  # the verifier's lm_head is never quantized
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the verifier's lm_head is never swapped
     steps = []
     for seed, n in [(1, 40), (2, 40)]:
         ids = prompt(seed, length=10 + seed)
@@ -89,30 +98,6 @@ def test_greedy_identity_with_an_int8_drafter(greedy_setup, variant, tree):
     with pytest.raises(ValueError, match="decode.draft_quant='int4'.*valid: int8, none"):
         make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
                       lm_head=model.lm_head, quant="int4", **TREES[tree])
-
-
-@pytest.mark.parametrize("variant, tree", [("eagle1", "static"), ("eagle3", "dynamic")])
-def test_greedy_identity_with_a_packed_drafter(greedy_setup, variant, tree):
-    """weights="packed": an fp32 copy of the drafter on oneDNN-prepacked weights drafts (what
-    decode.draft_weights=auto gives an fp32 drafter on an AVX2 CPU); the output is the verifier's."""
-    from draftsmith.decode.quant import PackedLinear
-    from draftsmith.models.verifier import cpu_prepacks
-
-    if not cpu_prepacks(torch.float32):
-        pytest.skip("this CPU's oneDNN has no prepacked fp32 linear")
-    model, drafters = greedy_setup
-    drafter = copy.deepcopy(drafters[variant]).float()  # the fp64 verifier's states are cast to it
-    proposer = make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
-                             lm_head=model.lm_head, weights="packed", **TREES[tree])
-    assert any(isinstance(m, PackedLinear) for m in proposer.drafter.modules())
-    assert not any(isinstance(m, torch.nn.Linear) for m in proposer.drafter.modules())
-    steps = []
-    for seed, n in [(1, 40), (2, 40)]:
-        ids = prompt(seed, length=10 + seed)
-        out = generate(model, ids, proposer=proposer, max_new_tokens=n, eos_token_id=())
-        assert out.tokens == reference(model, ids, n, eos_token_id=None), (variant, tree, seed)
-        steps += out.steps
-    assert sum(s.emitted for s in steps) / len(steps) > 1.5 and any(s.accepted == 0 for s in steps)
 
 
 def test_greedy_identity_with_eos(greedy_setup):
