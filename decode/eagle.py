@@ -49,10 +49,10 @@ from transformers.cache_utils import Cache
 
 from draftsmith.decode.cache import BufferedLayer, new_cache
 from draftsmith.decode.proposers import CATCH_UP, DraftTree, Proposer, _is_chain, drive_together
-from draftsmith.decode.quant import QUANTS, drafting_copy
+from draftsmith.decode.quant import drafting_copy
 from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.tree import TreeBuffers, additive_mask
-from draftsmith.models.errors import DraftsmithError, choose
+from draftsmith.models.errors import DraftsmithError
 
 
 class EagleProposer(Proposer):
@@ -73,8 +73,8 @@ class EagleProposer(Proposer):
                  paths: Sequence[Sequence[int]] | None = None, depth: int | None = None,
                  top_k: int | None = None, total_tokens: int | None = None, quant: str = "none",
                  weights: str = "plain"):
-        self.quant = choose(QUANTS, quant, "decode.draft_quant")
-        self.drafter = drafting_copy(drafter.eval(), self.quant, weights)
+        self.drafter = drafting_copy(drafter.eval(), quant, weights)  # refuses unknown values in one line
+        self.quant = quant
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         cfg = drafter.config

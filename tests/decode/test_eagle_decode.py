@@ -16,6 +16,7 @@ import torch
 from draftsmith.decode import sampling
 from draftsmith.decode.engine import generate, truncate
 from draftsmith.decode.proposers import make_proposer
+from draftsmith.models.errors import DraftsmithError
 from tests.decode.rows import check_rows_draft_as_alone
 from tests.drafters import fitted_drafter, random_eagle_proposer
 from tests.laws import (sample_case, RecordingProposer, RecordingRule, engine_counts, exact_law, law_model, law_test,
@@ -77,9 +78,12 @@ def test_greedy_identity_with_an_int8_or_packed_drafter(greedy_setup, variant, t
     model, drafters = greedy_setup
     drafter = drafters[variant]
     if kind == "packed":
-        if not cpu_prepacks(torch.float32):
-            pytest.skip("this CPU's oneDNN has no prepacked fp32 linear")
         drafter = copy.deepcopy(drafter).float()  # the fp64 verifier's states are cast to it
+        if not cpu_prepacks(torch.float32):  # a CPU without the kernel: refused in one line, not ignored
+            with pytest.raises(DraftsmithError, match="decode.draft_weights=packed"):
+                make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
+                              lm_head=model.lm_head, weights="packed", **TREES[tree])
+            return
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     proposer = make_proposer("eagle", drafter=drafter, embed_tokens=model.get_input_embeddings(),
                              lm_head=model.lm_head, **({"quant": "int8"} if kind == "int8" else {"weights": "packed"}),
