@@ -28,8 +28,9 @@ counters, llama.cpp's per-request timings) and the budget (draftsmith: mean step
 engine_steps_by_width_total, 1 = plain; the peers: their k). Greedy texts are compared with the
 offline plain engine's (decode/engine.py, the server's forward); a difference is a bf16 tie when
 decode/harness.py's rule (compare_greedy) says so. Noise: `plain` runs again at the end, at
-`noise_clients`; the largest relative difference is the run's noise, and load-aware speculation
-below plain beyond it is marked. Writes output_dir/bench_serve.{json,md,png} (the JSON keeps every
+`noise_clients`, and with `rounds` > 1 every row is measured that many times, the rows taking turns
+(the median round reported, the range beside it); plain's largest relative spread is the run's
+noise, and load-aware speculation below plain beyond it is marked. Writes output_dir/bench_serve.{json,md,png} (the JSON keeps every
 request's TTFT / TPOT), rewritten after every row. Run it alone on the box.
 """
 from __future__ import annotations
@@ -555,18 +556,51 @@ def by_key(row: dict | None) -> dict:
     return {} if row is None else {(r["temperature"], r["clients"]): r for r in row["runs"]}
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One row measured in several rounds (a fresh server each) -> the row with, per (temperature, N),
+    the median round's run (the lower middle of an even count), which keeps every round's throughput
+    and TPOT p50 in `rounds`; the rounds' own rows stay in `measured`."""
+    if len(rounds) == 1:
+        return rounds[0]
+    row = dict(rounds[0], measured=rounds, seconds=sum(r.get("seconds", 0.0) for r in rounds),
+               load_after=rounds[-1].get("load_after"))
+    if any(r.get("error") for r in rounds):
+        row["error"] = next(r["error"] for r in rounds if r.get("error"))
+    runs: dict = {}
+    for r in rounds:
+        for run in r["runs"]:
+            runs.setdefault((run["temperature"], run["clients"]), []).append(run)
+    row["runs"] = []
+    for same in runs.values():
+        ranked = sorted(same, key=lambda run: run["tokens_per_s"])
+        row["runs"].append(dict(ranked[(len(ranked) - 1) // 2], rounds=[
+            {"tokens_per_s": run["tokens_per_s"], "tpot_p50_ms": run["tpot_p50_ms"]} for run in same]))
+    return row
+
+
+def samples(row: dict | None) -> dict:
+    """(temperature, N) -> every measurement of a row there: [(tokens/s, TPOT p50 ms), ...]."""
+    return {key: [(m["tokens_per_s"], m["tpot_p50_ms"]) for m in run.get("rounds", [run])]
+            for key, run in by_key(row).items()}
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / mean: for two values their difference over their mean."""
+    return (max(values) - min(values)) / (sum(values) / len(values))
+
+
 def noise(first: dict | None, repeat: dict | None) -> dict:
-    """plain measured twice: the largest relative difference of throughput and of TPOT p50 over the
-    (temperature, N) measured both times."""
-    a, b = by_key(first), by_key(repeat)
+    """plain measured more than once (its rounds, and again at the end): the largest relative spread
+    of throughput and of TPOT p50 over the (temperature, N) measured at least twice."""
+    a, b = samples(first), samples(repeat)
     pairs = []
-    for key in sorted(set(a) & set(b)):
-        x, y = a[key], b[key]
-        tput = abs(x["tokens_per_s"] - y["tokens_per_s"]) / ((x["tokens_per_s"] + y["tokens_per_s"]) / 2)
-        tpot = (abs(x["tpot_p50_ms"] - y["tpot_p50_ms"]) / ((x["tpot_p50_ms"] + y["tpot_p50_ms"]) / 2)
-                if x["tpot_p50_ms"] and y["tpot_p50_ms"] else None)
-        pairs.append({"temperature": key[0], "clients": key[1], "tokens_per_s": [x["tokens_per_s"], y["tokens_per_s"]],
-                      "tpot_p50_ms": [x["tpot_p50_ms"], y["tpot_p50_ms"]], "tput_rel": tput, "tpot_rel": tpot})
+    for key in sorted(set(a) | set(b)):
+        both = a.get(key, []) + b.get(key, [])
+        if len(both) < 2:
+            continue
+        tput, tpot = [t for t, _ in both], [p for _, p in both]
+        pairs.append({"temperature": key[0], "clients": key[1], "tokens_per_s": tput, "tpot_p50_ms": tpot,
+                      "tput_rel": spread(tput), "tpot_rel": spread(tpot) if all(tpot) else None})
     return {"pairs": pairs, "tput": max((p["tput_rel"] for p in pairs), default=None),
             "tpot": max((p["tpot_rel"] for p in pairs if p["tpot_rel"] is not None), default=None)}
 
@@ -634,8 +668,8 @@ def markdown(report: dict) -> str:
                                                 else ""), ""]
     noise_line = ("not measured" if nz.get("tput") is None else
                   f"throughput {100 * nz['tput']:.1f}%, TPOT p50 {fmt(nz['tpot'] and 100 * nz['tpot'], '.1f')}% "
-                  f"(plain CB measured twice at N = {sorted({p['clients'] for p in nz['pairs']})}: the largest "
-                  f"relative difference)")
+                  f"(plain CB measured more than once at N = {sorted({p['clients'] for p in nz['pairs']})}: "
+                  f"the largest (max - min) / mean)")
     lines += [f"Noise: {noise_line}.", ""]
     flagged = {(b["temperature"], b["clients"]) for b in report.get("below_plain", [])}
     for t in report["temperatures"]:
@@ -648,8 +682,10 @@ def markdown(report: dict) -> str:
             for r in (r for r in row["runs"] if r["temperature"] == t):
                 mark = " **below plain**" if row["name"] == "spec-adaptive" and (t, r["clients"]) in flagged else ""
                 diff = "" if r.get("different") is None else f"{r['different']} ({r['ties']})"
+                tput = [m["tokens_per_s"] for m in r.get("rounds", [])]
+                ranged = f" ({min(tput):.1f}-{max(tput):.1f})" if len(tput) > 1 else ""
                 lines.append(
-                    f"| {row['label']} | {r['clients']} | {r['tokens_per_s']:.1f}{mark} | {fmt(r['ttft_p50_s'], '.2f')} / "
+                    f"| {row['label']} | {r['clients']} | {r['tokens_per_s']:.1f}{ranged}{mark} | {fmt(r['ttft_p50_s'], '.2f')} / "
                     f"{fmt(r['ttft_p99_s'], '.2f')} | {fmt(r['tpot_p50_ms'], '.0f')} / {fmt(r['tpot_p99_ms'], '.0f')} | "
                     f"{fmt(r.get('acceptance_length'), '.2f')} | {fmt(r.get('budget'), '.1f')} | {r['failed']} | {diff} | "
                     f"{r['load_before']:.1f} |")
@@ -727,6 +763,8 @@ def check_config(cfg: DictConfig) -> None:
                               "noise_clients=[]")
     if not cfg.temperatures or any(float(t) < 0 for t in cfg.temperatures):
         raise DraftsmithError(f"temperatures={list(cfg.temperatures)}: give a list of temperatures >= 0")
+    if not isinstance(cfg.rounds, int) or cfg.rounds < 1:
+        raise DraftsmithError(f"rounds={cfg.rounds}: give how many times each row is measured, >= 1 (3 gives a median)")
     if int(cfg.max_tokens) < 2 or int(cfg.min_requests) < 1:
         raise DraftsmithError(f"max_tokens={cfg.max_tokens} (>= 2), min_requests={cfg.min_requests} (>= 1)")
     if any(r in cfg.rows for r in (*SPEC_ROWS, "vllm-spec", "llamacpp-spec")) and not cfg.drafter:
@@ -795,9 +833,13 @@ def run(cfg: DictConfig) -> dict:
               "clients": list(cfg.clients), "drafter": cfg.drafter, "peer_drafter": cfg.peer_drafter,
               "spec": OmegaConf.to_container(cfg.spec), "config": OmegaConf.to_container(cfg, resolve=True),
               "load_avg_before": os.getloadavg()[0], "rows": []}
-    for entry in plan:
-        report["rows"].append(run_row(cfg, entry, prompts, checks))
-        write(report, out)
+    measured: dict[str, list[dict]] = {}  # row name -> its rounds, the rows taking turns
+    main, repeat = [e for e in plan if e["name"] != "plain (repeat)"], [e for e in plan if e["name"] == "plain (repeat)"]
+    for round_ in range(int(cfg.rounds)):
+        for entry in main + (repeat if round_ == int(cfg.rounds) - 1 else []):
+            measured.setdefault(entry["name"], []).append(run_row(cfg, entry, prompts, checks))
+            report["rows"] = [combine(rounds) for rounds in measured.values()]
+            write(report, out)
     report.update(load_avg_after=os.getloadavg()[0], seconds=time.time() - t_start)
     write(report, out)
     print(markdown(report))

@@ -150,6 +150,7 @@ def test_a_drafter_the_peers_cannot_load_is_a_row_saying_why(tiny_model_dir, tmp
     ("clients=[0,2]", r"clients=\[0, 2\]: give a list of client counts >= 1"),
     ("drafter=null", r"drafter=null: the batch1, spec-\* and \*-spec rows need a drafter"),
     ("temperatures=[]", r"temperatures=\[\]"),
+    ("rounds=0", r"rounds=0: give how many times each row is measured, >= 1"),
 ])
 def test_bad_settings_are_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, override, message):
     monkeypatch.setattr(bench_serve, "plan_rows", lambda *a, **k: pytest.fail("planned before the check"))
@@ -189,3 +190,51 @@ def test_vllm_reads_every_prompt_whole_unless_asked(monkeypatch, tmp_path):
     assert "--no-enable-chunked-prefill" in argv and argv[at + 1] == str(cfg.vllm.max_model_len)
     cfg.vllm.chunked_prefill = True
     assert "--no-enable-chunked-prefill" not in bench_serve.vllm_server(cfg, "verifier", None, tmp_path / "v.log").argv
+
+
+def test_rounds_report_the_median_round_and_their_spread_joins_the_noise():
+    """rounds=3: each (T, N) of a row is its median round (the lower middle of an even count), and
+    plain's spread over its rounds and its repeat at the end is the noise."""
+    rounds = [run_row([1, 16], [(20.0, 50.0), (120.0, 110.0)]), run_row([1, 16], [(22.0, 45.0), (100.0, 130.0)]),
+              run_row([1, 16], [(21.0, 47.0), (110.0, 120.0)])]
+    plain = bench_serve.combine(rounds)
+    median = {r["clients"]: (r["tokens_per_s"], r["tpot_p50_ms"]) for r in plain["runs"]}
+    assert median == {1: (21.0, 47.0), 16: (110.0, 120.0)} and plain["measured"] == rounds
+    assert bench_serve.combine(rounds[:2])["runs"][1]["tokens_per_s"] == 100.0  # two rounds: the lower
+    assert bench_serve.combine(rounds[:1]) is rounds[0]
+    noise = bench_serve.noise(plain, run_row([1], [(23.0, 44.0)]))
+    assert noise["tput"] == pytest.approx(20 / 110) and noise["tpot"] == pytest.approx(20 / 120)  # N = 16's spread
+    at_1 = next(p for p in noise["pairs"] if p["clients"] == 1)
+    assert at_1["tokens_per_s"] == [20.0, 22.0, 21.0, 23.0] and at_1["tput_rel"] == pytest.approx(3 / 21.5)
+    # a load-aware row 12% below plain's median at N = 16 is within an 18% noise; one run alone is not
+    adaptive = run_row([1, 16], [(21.0, 47.0), (97.0, 120.0)])
+    assert bench_serve.below_plain(plain, adaptive, noise) == []
+    assert bench_serve.noise(plain, None)["tput"] == pytest.approx(20 / 110)  # its rounds alone measure it too
+    assert [b["clients"] for b in bench_serve.below_plain(plain, adaptive, {"tput": 0.05, "tpot": 0.05})] == [16]
+    report = {"verifier": "tiny", "dtype": "float32", "threads": 1, "cpus": 2, "num_prompts": 2, "prompts": "mtbench",
+              "max_tokens": 8, "load_avg_before": 0.0, "drafter": "d", "peer_drafter": None, "temperatures": [0.0],
+              "rows": [dict(plain, label="plain CB", name="plain")]}
+    for r in report["rows"][0]["runs"]:
+        r.update(ttft_p50_s=0.1, ttft_p99_s=0.2, tpot_p99_ms=60.0, failed=0, load_before=1.0)
+    assert "| plain CB | 16 | 110.0 (100.0-120.0) |" in bench_serve.markdown(report)
+
+
+def test_rounds_take_turns_and_the_repeat_comes_last(tiny_model_dir, tmp_path, monkeypatch):
+    order = []
+
+    def fake_row(cfg, entry, prompts, checks):
+        order.append(entry["name"])
+        tput = 10.0 * len(order)
+        return dict(entry, runs=run_row([1], [(tput, 1000 / tput)])["runs"], load_before=0.0)
+
+    entries = [{"name": n, "label": n, "engine": "draftsmith"} for n in ("plain", "spec-adaptive", "plain (repeat)")]
+    monkeypatch.setattr(bench_serve, "plan_rows", lambda *a, **k: entries)
+    monkeypatch.setattr(bench_serve, "run_row", fake_row)
+    monkeypatch.setattr(bench_serve, "plot", lambda report, path: None)
+    report = bench_serve.run(toy_config(tiny_model_dir, tmp_path, "rows=[plain,spec-adaptive]", "rounds=3",
+                                        "temperatures=[0.7]"))
+    assert order == ["plain", "spec-adaptive"] * 3 + ["plain (repeat)"]
+    rows = {r["name"]: r for r in report["rows"]}
+    assert rows["plain"]["runs"][0]["tokens_per_s"] == 30.0  # rounds of 10, 30, 50 tok/s: the median
+    assert [m["tokens_per_s"] for m in rows["spec-adaptive"]["runs"][0]["rounds"]] == [20.0, 40.0, 60.0]
+    assert report["noise"]["pairs"][0]["tokens_per_s"] == [10.0, 30.0, 50.0, 70.0]
