@@ -717,7 +717,10 @@ def plot(report: dict, path: Path) -> None:
             if not runs:
                 continue
             n = [r["clients"] for r in runs]
-            axes[i][0].plot(n, [r["tokens_per_s"] for r in runs], marker="o", label=row["label"])
+            tput = [r["tokens_per_s"] for r in runs]
+            spread_ = [[t - min(m["tokens_per_s"] for m in r.get("rounds", [r])) for t, r in zip(tput, runs)],
+                       [max(m["tokens_per_s"] for m in r.get("rounds", [r])) - t for t, r in zip(tput, runs)]]
+            axes[i][0].errorbar(n, tput, yerr=spread_, marker="o", capsize=3, label=row["label"])  # the rounds' range
             axes[i][1].plot(n, [r["tpot_p99_ms"] for r in runs], marker="o", label=row["label"])
         for ax, what in zip(axes[i], ("throughput, tokens / s", "p99 TPOT, ms")):
             ax.set(xscale="log", xlabel="concurrent streaming clients N", ylabel=what, title=f"T = {t}")
