@@ -30,8 +30,9 @@ offline plain engine's (decode/engine.py, the server's forward); a difference is
 decode/harness.py's rule (compare_greedy) says so. Noise: `plain` runs again at the end, at
 `noise_clients`, and with `rounds` > 1 every row is measured that many times, the rows taking turns
 (the median round reported, the range beside it); plain's largest relative spread is the run's
-noise, and load-aware speculation below plain beyond it is marked. Writes output_dir/bench_serve.{json,md,png} (the JSON keeps every
-request's TTFT / TPOT), rewritten after every row. Run it alone on the box.
+noise, and load-aware speculation below plain beyond it is marked. Writes
+output_dir/bench_serve.{json,md,png} (the JSON keeps every request's TTFT / TPOT), rewritten after
+every row. Run it alone on the box.
 """
 from __future__ import annotations
 
@@ -685,7 +686,8 @@ def markdown(report: dict) -> str:
                 tput = [m["tokens_per_s"] for m in r.get("rounds", [])]
                 ranged = f" ({min(tput):.1f}-{max(tput):.1f})" if len(tput) > 1 else ""
                 lines.append(
-                    f"| {row['label']} | {r['clients']} | {r['tokens_per_s']:.1f}{ranged}{mark} | {fmt(r['ttft_p50_s'], '.2f')} / "
+                    f"| {row['label']} | {r['clients']} | {r['tokens_per_s']:.1f}{ranged}{mark} | "
+                    f"{fmt(r['ttft_p50_s'], '.2f')} / "
                     f"{fmt(r['ttft_p99_s'], '.2f')} | {fmt(r['tpot_p50_ms'], '.0f')} / {fmt(r['tpot_p99_ms'], '.0f')} | "
                     f"{fmt(r.get('acceptance_length'), '.2f')} | {fmt(r.get('budget'), '.1f')} | {r['failed']} | {diff} | "
                     f"{r['load_before']:.1f} |")
@@ -837,7 +839,8 @@ def run(cfg: DictConfig) -> dict:
               "spec": OmegaConf.to_container(cfg.spec), "config": OmegaConf.to_container(cfg, resolve=True),
               "load_avg_before": os.getloadavg()[0], "rows": []}
     measured: dict[str, list[dict]] = {}  # row name -> its rounds, the rows taking turns
-    main, repeat = [e for e in plan if e["name"] != "plain (repeat)"], [e for e in plan if e["name"] == "plain (repeat)"]
+    repeat = [e for e in plan if e["name"] == "plain (repeat)"]  # once, at the very end
+    main = [e for e in plan if e not in repeat]
     for round_ in range(int(cfg.rounds)):
         for entry in main + (repeat if round_ == int(cfg.rounds) - 1 else []):
             measured.setdefault(entry["name"], []).append(run_row(cfg, entry, prompts, checks))

@@ -206,7 +206,7 @@ def test_rounds_report_the_median_round_and_their_spread_joins_the_noise():
     assert noise["tput"] == pytest.approx(20 / 110) and noise["tpot"] == pytest.approx(20 / 120)  # N = 16's spread
     at_1 = next(p for p in noise["pairs"] if p["clients"] == 1)
     assert at_1["tokens_per_s"] == [20.0, 22.0, 21.0, 23.0] and at_1["tput_rel"] == pytest.approx(3 / 21.5)
-    # a load-aware row 12% below plain's median at N = 16 is within an 18% noise; one run alone is not
+    # a load-aware row 12% below plain's median at N = 16 is within an 18% noise, and marked beyond a 5% one
     adaptive = run_row([1, 16], [(21.0, 47.0), (97.0, 120.0)])
     assert bench_serve.below_plain(plain, adaptive, noise) == []
     assert bench_serve.noise(plain, None)["tput"] == pytest.approx(20 / 110)  # its rounds alone measure it too
