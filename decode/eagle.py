@@ -74,7 +74,6 @@ class EagleProposer(Proposer):
                  top_k: int | None = None, total_tokens: int | None = None, quant: str = "none",
                  weights: str = "plain"):
         self.drafter = drafting_copy(drafter.eval(), quant, weights)  # refuses unknown values in one line
-        self.quant = quant
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         cfg = drafter.config

@@ -585,6 +585,12 @@ def samples(row: dict | None) -> dict:
             for key, run in by_key(row).items()}
 
 
+def tput_range(run: dict) -> tuple[float, float]:
+    """(lowest, highest) throughput of a (row, T, N)'s rounds (one round: its own, twice)."""
+    tput = [m["tokens_per_s"] for m in run.get("rounds", [run])]
+    return min(tput), max(tput)
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / mean: for two values their difference over their mean."""
     return (max(values) - min(values)) / (sum(values) / len(values))
@@ -683,8 +689,7 @@ def markdown(report: dict) -> str:
             for r in (r for r in row["runs"] if r["temperature"] == t):
                 mark = " **below plain**" if row["name"] == "spec-adaptive" and (t, r["clients"]) in flagged else ""
                 diff = "" if r.get("different") is None else f"{r['different']} ({r['ties']})"
-                tput = [m["tokens_per_s"] for m in r.get("rounds", [])]
-                ranged = f" ({min(tput):.1f}-{max(tput):.1f})" if len(tput) > 1 else ""
+                ranged = " ({:.1f}-{:.1f})".format(*tput_range(r)) if len(r.get("rounds", [])) > 1 else ""
                 lines.append(
                     f"| {row['label']} | {r['clients']} | {r['tokens_per_s']:.1f}{ranged}{mark} | "
                     f"{fmt(r['ttft_p50_s'], '.2f')} / "
@@ -720,8 +725,8 @@ def plot(report: dict, path: Path) -> None:
                 continue
             n = [r["clients"] for r in runs]
             tput = [r["tokens_per_s"] for r in runs]
-            spread_ = [[t - min(m["tokens_per_s"] for m in r.get("rounds", [r])) for t, r in zip(tput, runs)],
-                       [max(m["tokens_per_s"] for m in r.get("rounds", [r])) - t for t, r in zip(tput, runs)]]
+            ranges = [tput_range(r) for r in runs]
+            spread_ = [[t - lo for t, (lo, _) in zip(tput, ranges)], [hi - t for t, (_, hi) in zip(tput, ranges)]]
             axes[i][0].errorbar(n, tput, yerr=spread_, marker="o", capsize=3, label=row["label"])  # the rounds' range
             axes[i][1].plot(n, [r["tpot_p99_ms"] for r in runs], marker="o", label=row["label"])
         for ax, what in zip(axes[i], ("throughput, tokens / s", "p99 TPOT, ms")):
