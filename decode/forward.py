@@ -363,18 +363,22 @@ def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch
 
     Default: torch's fused scaled_dot_product_attention (on a CPU its flash kernel: float32
     accumulators, reading the cache's strided views in place; a batched matmul would first copy
-    every row's keys and values out of the cache, ~20 ms a step at 16 rows).
+    every row's keys and values out of the cache, ~20 ms a step at 16 rows). A group's query heads
+    are stacked along the query axis (each key and value head read once for all of them) for
+    several queries, and for one query where the kernel's own grouped-query path is slow
+    (``stacks_one_query``).
     exact (FastLlama's invariant mode): eager arithmetic in float64 (scores, softmax and weighted
     values round at 1e-16, whatever the kernel), the result rounded to q's dtype; the query heads
     of a group are stacked along the query axis (no repeated keys)."""
     if not exact:
         B, Hq, N, D = q.shape
         group = Hq // keys.shape[1]
-        if N == 1 or group == 1:
+        if group == 1 or (N == 1 and not stacks_one_query(q)):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).reshape(B, N, Hq * D)  # (B, N, Hq * D)
-        # several queries: a group's query heads stacked along the query axis, so each key and value
-        # head is read once for all of them (about twice as fast for a tree or a prompt chunk)
+        # a group's query heads stacked along the query axis, so each key and value head is read once
+        # for all of them (about twice as fast for a tree or a prompt chunk); one query's (B, 1, 1, S)
+        # mask broadcasts over the group, several queries' is tiled (B, 1, G*N, S)
         out = F.scaled_dot_product_attention(q.reshape(B, keys.shape[1], group * N, D), keys, values,
                                              attn_mask=mask, scale=scale)  # (B, Hkv, G*N, D)
         return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D)
@@ -388,6 +392,15 @@ def attention(q, keys, values, mask, scale: float, exact: bool = False) -> torch
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.view(B, kv_heads, group * N, S), values)  # (B, Hkv, G*N, D)
     return out.view(B, Hq, N, D).transpose(1, 2).reshape(B, N, Hq * D).to(dtype)
+
+
+def stacks_one_query(q: torch.Tensor) -> bool:
+    """Whether one query a row also stacks its group's query heads: on a CPU in bf16 / fp16, where
+    the flash kernel's enable_gqa path took 4.6-7x as long (the 2-core AMD EPYC Zen 4 box, torch
+    2.13, SmolLM2's 9 query / 3 key-value heads over 256 cached slots: 16 rows 1.49 -> 0.22 ms a
+    layer in bf16, 2.63 -> 0.99 in fp16; one row 0.106 -> 0.023 in bf16), not in fp32 (0.18 against
+    0.22 at 16 rows) nor on a GPU (its kernels read a key-value head once for its group)."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
 
 class _StaticLayer(DynamicLayer):

@@ -151,6 +151,43 @@ def test_packed_weights_compute_the_modules_own_linear(preset):
     assert torch.equal(first, together[0])
 
 
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_query_attention_over_the_cache_is_hfs_law(dtype, queries):
+    """The fast forward's attention in every CPU dtype (one query in bf16 / fp16: the group's query
+    heads stacked, stacks_one_query; several: stacked in every dtype) over the cache's strided views of
+    rows of different lengths equals grouped-query attention as HF computes it (each key / value head
+    repeated for its group: repeat_kv), in float64, within the dtype's rounding; query heads paired
+    with the wrong key / value heads (a group taken as every Hkv-th head) are far outside it."""
+    from draftsmith.decode.forward import attention, stacks_one_query
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, S, max_len = 4, 9, 3, 64, 40, 64
+    G = Hq // Hkv
+    cache_k, cache_v = (torch.randn(6, Hkv, max_len, D, generator=g).to(dtype) for _ in range(2))
+    keys, values = cache_k[:B, :, :S], cache_v[:B, :, :S]  # StaticKV.read's views of rows 0..B-1
+    q = torch.randn(B, Hq, queries, D, generator=g).to(dtype)
+    allowed = torch.zeros(B, queries, S, dtype=torch.bool)
+    for b, cached in enumerate((S - queries, 17, 30, 5)):  # each row's own length; its tree's last queries
+        allowed[b, :, :cached] = True
+        allowed[b, :, cached:cached + queries] = torch.ones(queries, queries, dtype=torch.bool).tril()
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None]
+    if queries > 1:
+        additive = additive.repeat(1, 1, G, 1)  # (B, 1, G*N, S), as FastLlama.forward tiles it
+    assert stacks_one_query(q) == (dtype != torch.float32)
+    out = attention(q, keys, values, additive, D ** -0.5).double()  # (B, N, Hq * D)
+
+    def law(pairs):  # float64 attention, query head h reading key / value head pairs[h]
+        k, v = keys.double()[:, pairs], values.double()[:, pairs]  # (B, Hq, S, D)
+        scores = (q.double() @ k.transpose(2, 3)) * D ** -0.5
+        probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+        return (probs @ v).transpose(1, 2).reshape(B, queries, Hq * D)
+
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 5e-3}[dtype]  # a few units in the last place
+    assert (out - law(torch.arange(Hq) // G)).abs().max() < tolerance  # repeat_kv: head h reads h // G
+    assert (out - law(torch.arange(Hq) % Hkv)).abs().max() > 10 * tolerance
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_rms_norm_is_hfs_bit_for_bit(dtype):
     """The fast forward's RMSNorm (torch's fused op for fp32, HF's arithmetic otherwise) gives HF's
