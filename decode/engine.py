@@ -445,7 +445,7 @@ class Engine:
         if not plain:
             return {}
         index = starts[torch.tensor(plain, device=logits.device)]
-        return dict(zip(plain, logits[index].argmax(dim=-1).tolist()))
+        return dict(zip(plain, sampling.argmax_ids(logits[index]).tolist()))
 
     def _propose_batched(self, rows: list[Request], budgets: list) -> "_Batched":
         """{row: (tree, True)} for the drafting rows whose proposers share a batch_key: one
@@ -810,7 +810,7 @@ def _first_token(logits: torch.Tensor, rule_name: str, params: SamplingParams, g
     if rule_name == "rejection":
         probs = sampling.logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # (V,)
         return sampling.sample(probs, generator)  # float64 inverse CDF
-    return int(logits.argmax())  # greedy; typical also takes the argmax (Medusa's fast mode)
+    return int(sampling.argmax_ids(logits))  # greedy; typical also takes the argmax (Medusa's fast mode)
 
 
 def _stop_checker(model, max_new_tokens, eos_token_id, stop_strings, tokenizer) -> _StopChecker:

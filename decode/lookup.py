@@ -29,7 +29,7 @@ from torch import nn
 
 from draftsmith.decode.datastore import Retrieval
 from draftsmith.decode.proposers import DraftTree, Proposer
-from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.sampling import SamplingParams, argmax_ids
 from draftsmith.models.errors import DraftsmithError
 
 
@@ -380,7 +380,7 @@ class LookaheadProposer(Proposer):
     @torch.inference_mode()
     def accept(self, tree: DraftTree, path: list[int], next_token: int, hidden: torch.Tensor) -> None:
         cells = torch.tensor(self.top_cells, dtype=torch.long, device=hidden.device)  # (W,)
-        new = self.lm_head(hidden[cells]).argmax(dim=-1).tolist()  # (W,) one Jacobi step per column
+        new = argmax_ids(self.lm_head(hidden[cells])).tolist()  # (W,) one Jacobi step per column
         if len(self.levels) == self.ngram - 1:  # full window: harvest one n-gram per column
             for i in range(self.window):
                 self.add_ngram([level[i] for level in self.levels] + [new[i]])

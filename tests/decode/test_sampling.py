@@ -18,6 +18,7 @@ from draftsmith.decode import sampling
 from draftsmith.decode.sampling import (
     ACCEPTANCE_RULES,
     LOSSY_RULES,
+    argmax_ids,
     get_rule,
     greedy_walk,
     logits_to_probs,
@@ -117,6 +118,25 @@ def test_greedy_walk_ties_take_first_index():
     assert greedy_walk(torch.tensor([0, 2]), torch.tensor([-1, 0]), logits) == ([0], 1)
     assert greedy_walk(torch.tensor([0, 1]), torch.tensor([-1, 0]), logits) == ([0, 1], 0)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_ids_is_torch_argmax_ties_and_nans_included(dtype):
+    """argmax_ids (max(dim=-1).indices, the greedy rules' and the engine's argmax) is torch.argmax in
+    every dtype: rows full of exact ties (one all equal), single rows, a vocabulary's width, NaN rows
+    (argmax takes the first NaN); the other tie rule (the last maximal index) differs from it."""
+    g = torch.Generator().manual_seed(0)
+    for width in (1, 7, 49152):
+        x = torch.randint(0, 3, (16, width), generator=g).to(dtype)  # many exact ties
+        x[0] = 1  # every entry tied
+        assert torch.equal(argmax_ids(x), x.argmax(dim=-1))
+        assert torch.equal(argmax_ids(x[3]), x[3].argmax())
+        last = width - 1 - x.flip(-1).argmax(dim=-1)  # the last maximal index
+        assert torch.equal(argmax_ids(x), last) == (width == 1)
+    x = torch.randn(4, 300, generator=g).to(dtype)
+    x[1, 7] = x[2, 3] = x[2, 9] = float("nan")
+    assert torch.equal(argmax_ids(x), x.argmax(dim=-1))
+    assert argmax_ids(x)[2] == 3
 
 # --- typical_walk ------------------------------------------------------------------------
 
