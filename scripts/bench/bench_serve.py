@@ -342,6 +342,13 @@ def divergence(tokenizer, reference: list[int], text: str, eos: set[int]) -> tup
             return i, None
         i -= 1
     head = tokenizer.decode(reference[:i], skip_special_tokens=True)
+    if i > 0:  # the text may leave the reference inside token i - 1's text: a longer token there (" setting"
+        before = decoded(reference[:i - 1])  # where the reference has " set" + " on") is the divergence
+        if text.startswith(before):
+            longer = tokenizer.encode(text[len(before):], add_special_tokens=False)[:1]
+            if longer and longer[0] != reference[i - 1] and len(decoded(reference[:i - 1] + longer)) > len(head) \
+                    and text.startswith(decoded(reference[:i - 1] + longer)):
+                return i - 1, longer[0]
     rest = text[len(head):] if text.startswith(head) else None
     if rest is None:
         return i, None

@@ -94,6 +94,34 @@ def test_the_text_check_tells_identical_divergent_and_tied_texts(tiny_model_dir)
     assert (stopped["identical"], stopped["diverged_at"]) == (False, 7)  # stopped (EOS) where the reference went on
 
 
+
+class WordPieces:
+    """A tokenizer over a hand vocabulary, longest match first (a text's canonical tokens)."""
+
+    vocab = ["The", " sun", " was", " set", " setting", "ting", " on", " over", " a", " hill"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.vocab[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        out = []
+        while text:
+            i = max((i for i, v in enumerate(self.vocab) if text.startswith(v)), key=lambda i: len(self.vocab[i]))
+            out, text = out + [i], text[len(self.vocab[i]):]
+        return out
+
+
+def test_the_divergence_is_where_a_longer_token_leaves_the_reference():
+    """A served token whose text extends the reference's (" setting" where the reference has " set",
+    " on") leaves the reference AT that token, with that token (not after it, with "ting", a token
+    the verifier never chose: the logit gap to the reference's " on" there told nothing)."""
+    tok = WordPieces()
+    ids = {v: i for i, v in enumerate(tok.vocab)}
+    ref = [ids[w] for w in ["The", " sun", " was", " set", " on", " a", " hill"]]
+    assert bench_serve.divergence(tok, ref, "The sun was setting over a hill", set()) == (3, ids[" setting"])
+    assert bench_serve.divergence(tok, ref, "The sun was set over a hill", set()) == (4, ids[" over"])
+    assert bench_serve.divergence(tok, ref, "The sun was set on a hill", set()) == (7, None)  # goes on: no EOS
+
 def run_row(clients, pairs):
     return {"runs": [{"temperature": 0.0, "clients": n, "tokens_per_s": t, "tpot_p50_ms": p}
                      for n, (t, p) in zip(clients, pairs)]}
