@@ -399,7 +399,7 @@ def stacks_one_query(q: torch.Tensor) -> bool:
     the flash kernel's enable_gqa path took 4.6-7x as long (the 2-core AMD EPYC Zen 4 box, torch
     2.13, SmolLM2's 9 query / 3 key-value heads over 256 cached slots: 16 rows 1.49 -> 0.22 ms a
     layer in bf16, 2.63 -> 0.99 in fp16; one row 0.106 -> 0.023 in bf16), not in fp32 (0.18 against
-    0.22 at 16 rows) nor on a GPU (its kernels read a key-value head once for its group)."""
+    0.22 at 16 rows) nor on a GPU (not measured there: its path is as it was)."""
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
 
