@@ -98,6 +98,39 @@ def test_frequency_tree_keeps_the_most_frequent_nodes_as_a_tree():
     assert frequency_tree([], 4) == []
 
 
+def counted_tree(conts, budget):
+    """frequency_tree's rule written out: count every prefix, sort by (-count, length), ties in the
+    order the prefixes were met, keep `budget`, return the kept leaves' paths in that order."""
+    counts = {}
+    for cont in conts:
+        for d in range(1, len(cont) + 1):
+            counts[tuple(cont[:d])] = counts.get(tuple(cont[:d]), 0) + 1
+    kept = sorted(counts, key=lambda k: (-counts[k], len(k)))[:budget]
+    inner = {k[:-1] for k in kept}
+    return [list(k) for k in kept if k not in inner]
+
+
+def test_frequency_tree_is_the_counting_rule_node_for_node():
+    """The array count (rows sorted once, runs of equal prefixes) gives the rule's own trees, in its
+    order, ties included: small vocabularies (many shared prefixes and tied counts), ragged lengths,
+    every budget; lists and the -1-padded grid alike. The order is checked too: in some trials the same
+    leaves in token order are not the rule's list."""
+    g = np.random.default_rng(0)
+    differs = 0
+    for trial in range(300):
+        m, depth, vocab = int(g.integers(1, 40)), int(g.integers(1, 9)), int(g.integers(1, 5))
+        conts = [g.integers(0, vocab, int(g.integers(1, depth + 1))).tolist() for _ in range(m)]
+        for budget in (1, 2, 3, 4, 8, 100):
+            want = counted_tree(conts, budget)
+            assert frequency_tree(conts, budget) == want, (conts, budget)
+            grid = np.full((m, depth), -1, dtype=np.int64)
+            for i, c in enumerate(conts):
+                grid[i, : len(c)] = c
+            assert frequency_tree(grid, budget) == want
+            differs += sorted(want) != want
+    assert differs > 0
+
+
 def test_a_datastore_round_trips_and_bad_folders_are_refused(tmp_path):
     tok = tiny_tokenizer()
     docs = [tok("hello world, hello there")["input_ids"], tok("hello world again")["input_ids"]]
