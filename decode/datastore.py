@@ -160,7 +160,7 @@ def frequency_tree(conts: Sequence[Sequence[int]] | np.ndarray, budget: int) -> 
     rows = grid[order]  # (m, depth)
     starts_new = np.zeros(m, dtype=bool)  # a run of equal prefixes starts at this sorted row
     starts_new[0] = True
-    group_of, cand = [], []  # per depth: each sorted row's run id; candidates (-count, depth, first row, d, start)
+    group_of, cand = [], []  # per depth: each sorted row's run id; candidates (-count, depth, first row met, start)
     for d in range(depth):
         if m > 1:
             starts_new[1:] |= rows[1:, d] != rows[:-1, d]
