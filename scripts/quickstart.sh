@@ -20,8 +20,9 @@
 # the heads' tree PATHS under both grafts: in bf16 head 0's top-2 and head 1's top-1 under the
 # first (an AVX-512 Zen 4 box, one-row bf16 step 13 ms, a 16-token verify 1.45 of it:
 # scripts/bench/tune_decode.py measured 1.19x for it, 1.08x for head 0's top-4 and four deeper
-# nodes, medusa-cpu's whole tree 0.94x), in fp32 head 0's top-1 alone (an AVX2-only CPU, where each node a verify holds
-# costs: 1.06x against 0.84x for medusa-cpu's 8 paths; docs/results/main-job.md).
+# nodes, medusa-cpu's whole tree 0.94x), in fp32 head 0's top-1 alone (an AVX2-only CPU, where
+# each node a verify holds costs: 1.06x against 0.84x for medusa-cpu's 8 paths;
+# docs/results/main-job.md).
 # PATHS=default keeps medusa-cpu's tree (root + 8 drafted nodes) in any dtype.
 # Scale up: NUM_PROMPTS=2000 STEPS=2000 bash scripts/quickstart.sh
 # (extra arguments are Hydra overrides for train/medusa.py).
@@ -32,7 +33,8 @@ STEPS="${STEPS:-100}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
 DTYPE="${DTYPE:-$(python -c 'from draftsmith.models.verifier import fast_dtype; print(fast_dtype())')}"
 PRECISION="$(case "$DTYPE" in float32) echo fp32;; float16) echo fp16;; *) echo bf16;; esac)"  # the heads', as the verifier
-PATHS="${PATHS:-$(case "$DTYPE" in float32) echo '[[0]]';; *) echo '[[0],[1],[0,0]]';; esac)}"  # the heads' tree (decode.paths)
+# the heads' tree (decode.paths)
+PATHS="${PATHS:-$(case "$DTYPE" in float32) echo '[[0]]';; *) echo '[[0],[1],[0,0]]';; esac)}"
 TREE=()
 if [ "$PATHS" != default ]; then TREE=("decode.paths=$PATHS"); fi
 export WANDB_MODE="${WANDB_MODE:-offline}"

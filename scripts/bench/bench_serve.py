@@ -346,8 +346,8 @@ def divergence(tokenizer, reference: list[int], text: str, eos: set[int]) -> tup
         before = decoded(reference[:i - 1])  # where the reference has " set" + " on") is the divergence
         if text.startswith(before):
             longer = tokenizer.encode(text[len(before):], add_special_tokens=False)[:1]
-            if longer and longer[0] != reference[i - 1] and len(decoded(reference[:i - 1] + longer)) > len(head) \
-                    and text.startswith(decoded(reference[:i - 1] + longer)):
+            served = decoded(reference[:i - 1] + longer)  # the text through that token
+            if longer and longer[0] != reference[i - 1] and len(served) > len(head) and text.startswith(served):
                 return i - 1, longer[0]
     rest = text[len(head):] if text.startswith(head) else None
     if rest is None:
